@@ -1,0 +1,149 @@
+"""Names and paths of everything nxd-ckpt and neuronx-distributed put on disk.
+
+Pure string and path arithmetic: no I/O except the small `scan_*` helpers that list a directory.
+The name grammar is NxD's (see DESIGN 2.1): ``dp_rank_{dp:02d}[_ep_rank_{ep:02d}]_tp_rank_{tp:02d}_pp_rank_{pp:02d}.pt``.
+"""
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from typing import Optional
+
+MODEL_DIR = "model"
+OPTIM_DIR = "optim"
+SCHEDULER_FILE = "scheduler.pt"
+USER_CONTENT_FILE = "user_content.pt"
+CHECKPOINT_MARKER = "checkpoint"   # written by global rank 0 when a save begins (NxD)
+DONE_MARKER = "done"               # written last, once every rank has finished (NxD)
+MANIFEST_FILE = "manifest.json"     # ours: every file with size and checksum, written just before `done`
+NEWEST_FILE = "newest"              # ours, in the checkpoint dir: the newest complete tag
+TMP_SUFFIX = ".nxdtmp"              # files being written; never part of a complete checkpoint
+INFO_SUFFIX = ".info.pt"
+TENSORS_SUFFIX = ".tensors"
+
+_SHARD_RE = re.compile(
+    r"^dp_rank_(?P<dp>\d+)(?:_ep_rank_(?P<ep>\d+))?_tp_rank_(?P<tp>\d+)_pp_rank_(?P<pp>\d+)\.pt$"
+)
+_FULL_RE = re.compile(r"^full(?:_ep_rank_(?P<ep>\d+))?_tp_rank_(?P<tp>\d+)_pp_rank_(?P<pp>\d+)\.pt$")
+
+
+@dataclass(frozen=True, order=True)
+class ShardName:
+    """The coordinates encoded in a shard file name. ``ep`` is None when the name has no ep field."""
+
+    dp: int
+    tp: int
+    pp: int
+    ep: Optional[int] = None
+
+    @property
+    def filename(self) -> str:
+        return shard_filename(self.dp, self.tp, self.pp, self.ep)
+
+
+def shard_filename(dp: int, tp: int, pp: int, ep: Optional[int] = None) -> str:
+    """NxD's shard file name; ``ep`` is included only when not None (expert parallel > 1)."""
+    ep_part = "" if ep is None else f"_ep_rank_{ep:02d}"
+    return f"dp_rank_{dp:02d}{ep_part}_tp_rank_{tp:02d}_pp_rank_{pp:02d}.pt"
+
+
+def full_filename(tp: int, pp: int, ep: Optional[int] = None) -> str:
+    """Name NxD's ZeRO-1 converter gives a merged (full) optimizer file."""
+    ep_part = "" if ep is None else f"_ep_rank_{ep:02d}"
+    return f"full{ep_part}_tp_rank_{tp:02d}_pp_rank_{pp:02d}.pt"
+
+
+def parse_shard_filename(name: str) -> Optional[ShardName]:
+    """Coordinates of a shard file name, or None when ``name`` is not one. Ranks may exceed two digits."""
+    m = _SHARD_RE.match(name)
+    if not m:
+        return None
+    ep = m.group("ep")
+    return ShardName(int(m.group("dp")), int(m.group("tp")), int(m.group("pp")), None if ep is None else int(ep))
+
+
+def parse_full_filename(name: str) -> Optional[ShardName]:
+    """Coordinates (dp=-1) of a ``full_..._tp_rank_TT_pp_rank_PP.pt`` name, or None."""
+    m = _FULL_RE.match(name)
+    if not m:
+        return None
+    ep = m.group("ep")
+    return ShardName(-1, int(m.group("tp")), int(m.group("pp")), None if ep is None else int(ep))
+
+
+def info_path(ref_path: str) -> str:
+    return ref_path + INFO_SUFFIX
+
+
+def tensors_dir(ref_path: str) -> str:
+    return ref_path + TENSORS_SUFFIX
+
+
+def tensor_filename(tid: int) -> str:
+    return f"tensor_{tid}.pt"
+
+
+def tensor_path(ref_path: str, tid: int) -> str:
+    return os.path.join(tensors_dir(ref_path), tensor_filename(tid))
+
+
+def validate_tag(tag) -> str:
+    """Return ``tag`` as a string, or raise ValueError when it cannot name a directory under the checkpoint dir."""
+    if not isinstance(tag, (str, int)) or isinstance(tag, bool):
+        raise ValueError(f"checkpoint tag must be a str (or int), got {type(tag).__name__}: {tag!r}")
+    text = str(tag)
+    if text == "" or text.strip() == "":
+        raise ValueError("checkpoint tag is empty: pass a name such as 'step_1000'")
+    if "/" in text or "\\" in text or text in (".", "..") or ".." in text.split(os.sep):
+        raise ValueError(
+            f"checkpoint tag {text!r} contains '/', '\\' or '..': a tag names one directory directly "
+            "under checkpoint_dir; pass e.g. 'step_1000'"
+        )
+    if ".." in text:
+        raise ValueError(f"checkpoint tag {text!r} contains '..'; pass a plain name such as 'step_1000'")
+    if text.endswith(TMP_SUFFIX) or text in (NEWEST_FILE,):
+        raise ValueError(f"checkpoint tag {text!r} is a name nxd-ckpt reserves; choose another")
+    return text
+
+
+def tag_dir(checkpoint_dir: str, tag: str) -> str:
+    return os.path.join(checkpoint_dir, tag)
+
+
+def is_complete_dir(path: str) -> bool:
+    """A tag directory is complete when its `done` marker exists (NxD's rule)."""
+    return os.path.isfile(os.path.join(path, DONE_MARKER))
+
+
+def looks_like_checkpoint_dir(path: str) -> bool:
+    """True for directories retention may delete: ours (manifest) or NxD's (`checkpoint` + model/ or optim/)."""
+    if os.path.isfile(os.path.join(path, MANIFEST_FILE)):
+        return True
+    return os.path.isfile(os.path.join(path, CHECKPOINT_MARKER)) and (
+        os.path.isdir(os.path.join(path, MODEL_DIR)) or os.path.isdir(os.path.join(path, OPTIM_DIR))
+    )
+
+
+def list_shard_files(folder: str) -> dict:
+    """Map ShardName -> file name for every shard ref file directly in ``folder`` (empty when missing)."""
+    if not os.path.isdir(folder):
+        return {}
+    out = {}
+    for name in os.listdir(folder):
+        parsed = parse_shard_filename(name)
+        if parsed is not None:
+            out[parsed] = name
+    return out
+
+
+def folder_is_xser(folder: str) -> bool:
+    """xser is detected, as NxD does, by the presence of ``*.tensors`` folders."""
+    if not os.path.isdir(folder):
+        return False
+    return any(n.endswith(TENSORS_SUFFIX) and os.path.isdir(os.path.join(folder, n)) for n in os.listdir(folder))
+
+
+def folder_is_zero1(folder: str) -> bool:
+    """ZeRO-1 is detected, as NxD does, by the presence of any ``dp_rank_01_*`` shard."""
+    return any(s.dp >= 1 for s in list_shard_files(folder))
