@@ -1,0 +1,165 @@
+"""The neuronx-distributed compatible entry points. Validates arguments; the work lives elsewhere."""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import List, Optional
+
+from . import commit, layout
+from .capture import build_plan, validate_save_args
+from .engine import get_engine
+from .errors import CheckpointArgumentError, CheckpointNotFoundError, CorruptCheckpointError
+from .loader import (agree, apply_ignore_keys, apply_model, apply_optimizer, candidate_tags, check_model,
+                     check_optimizer, read_tag)
+from .storage import open_storage
+from .world import current_world
+
+log = logging.getLogger("nxd_ckpt")
+
+DEFAULT_TIMEOUT_S = 1800.0
+
+
+def save_checkpoint(checkpoint_dir_str, tag, model=None, optimizer=None, scheduler=None, user_content=None,
+                    num_workers=8, use_xser=True, num_kept_ckpts=None, async_save=False, zero1_optimizer=False,
+                    *, host_memory_budget: Optional[int] = None, device_snapshot: bool = False,
+                    timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    """Save a checkpoint under ``checkpoint_dir_str/tag`` in NxD's layout. Every rank calls it.
+
+    Blocks for: argument checks, pickling small state, and the device-to-host snapshot of this rank's
+    share of the tensors (with ``device_snapshot=True`` only for an on-device clone). With
+    ``async_save=False`` it then blocks until the checkpoint is committed (``done`` written) and raises
+    any rank's failure; with ``async_save=True`` it returns, and a failure is raised on every rank by the
+    next save_checkpoint or finalize_checkpoint. Ranks coordinate through the c10d store, never with a
+    collective on the training group.
+    """
+    called_at = time.monotonic()
+    tag = validate_save_args(checkpoint_dir_str, tag, model, optimizer, scheduler, num_workers, use_xser,
+                             num_kept_ckpts, async_save, zero1_optimizer)
+    root = os.fspath(checkpoint_dir_str)
+    _check_writable(root)
+    if host_memory_budget is not None and (not isinstance(host_memory_budget, int) or host_memory_budget <= 0):
+        raise CheckpointArgumentError(f"host_memory_budget must be a positive number of bytes, got {host_memory_budget!r}")
+    engine = get_engine()
+    engine.raise_pending()
+    world = current_world()
+    storage = open_storage(root)
+    plan = build_plan(world, model, optimizer, scheduler, user_content, use_xser, zero1_optimizer)
+    job = engine.start_job(world, storage, tag, plan, num_kept_ckpts, num_workers, timeout_s,
+                           host_memory_budget, called_at)
+    engine.snapshot(job, plan, on_device=device_snapshot, timeout_s=timeout_s)
+    job.stats["stall_s"] = time.monotonic() - called_at
+    job.stats["staged_bytes"] = plan.staged_bytes()
+    if not async_save:
+        engine.wait(job, timeout_s + 60)
+        job.stats["stall_s"] = time.monotonic() - called_at
+
+
+def _check_writable(root: str) -> None:
+    if os.path.exists(root):
+        if not os.path.isdir(root):
+            raise CheckpointArgumentError(f"checkpoint_dir {root!r} exists and is not a directory; pass a directory")
+        probe = root
+    else:
+        probe = os.path.dirname(os.path.abspath(root))
+        while probe and not os.path.exists(probe):
+            probe = os.path.dirname(probe)
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise CheckpointArgumentError(
+            f"checkpoint_dir {root!r} is not writable by this process ({probe!r} denies write); "
+            "fix its permissions or choose another directory")
+
+
+def finalize_checkpoint(timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    """Block until every save in flight on this rank is committed or failed; raise a failure once.
+    Every rank calls it (e.g. at the end of training). No collectives."""
+    get_engine().finalize(timeout_s)
+
+
+def load_checkpoint(path, tag=None, model=None, optimizer=None, scheduler=None, num_workers=8, strict=True,
+                    ignore_keys=None, *, trusted: bool = False):
+    """Load ``path/tag`` (newest complete when ``tag`` is None) into the given objects; return the saved
+    user_content or None. Every rank calls it; ranks exchange shares over a host gloo group.
+
+    Everything is read and verified first; nothing is changed unless every rank read its part intact.
+    With ``tag=None`` a damaged checkpoint is skipped with a warning and the next newest one is used.
+    Pickles are loaded with ``weights_only=True`` unless ``trusted=True``.
+    """
+    if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
+        raise CheckpointArgumentError(f"num_workers must be a positive int, got {num_workers!r}")
+    if not os.path.isdir(os.fspath(path)):
+        raise CheckpointNotFoundError(f"checkpoint directory {os.fspath(path)!r} does not exist")
+    try:
+        tags = candidate_tags(open_storage(path), tag)
+    except ValueError as exc:
+        if isinstance(exc, CheckpointArgumentError):
+            raise
+        raise CheckpointArgumentError(str(exc)) from None
+    storage = open_storage(path)
+    world = current_world()
+    engine = get_engine()
+    last_error = None
+    for candidate in tags:
+        engine.loading.add(candidate)
+        try:
+            return _load_one(storage, candidate, world, model, optimizer, scheduler, num_workers, strict,
+                             ignore_keys, trusted)
+        except CorruptCheckpointError as exc:
+            if tag is not None:
+                raise
+            last_error = exc
+            log.warning("nxd_ckpt: skipping damaged checkpoint %s: %s", candidate, exc)
+        finally:
+            engine.loading.discard(candidate)
+    raise CorruptCheckpointError(
+        f"every complete checkpoint in {os.fspath(path)} is damaged; the last error: {last_error}. "
+        "Run `nxd-ckpt verify` on the directory for details")
+
+
+def _load_one(storage, tag, world, model, optimizer, scheduler, num_workers, strict, ignore_keys, trusted):
+    state = read_tag(storage, tag, world, want_model=model is not None, want_optim=optimizer is not None,
+                     want_scheduler=scheduler is not None, num_workers=num_workers, trusted=trusted)
+    error = None
+    try:
+        patterns = apply_ignore_keys(state, ignore_keys)
+        if model is not None:
+            check_model(model, state["model"], strict, patterns)
+        if optimizer is not None:
+            check_optimizer(optimizer, state["optim"], bool(state["saved"].get("zero1")), tag)
+    except Exception as exc:  # noqa: BLE001 - agreed on by every rank before anything changes
+        error = exc
+    agree(error)
+    # Model before optimizer: a ZeRO-1 optimizer without saved master weights re-shards from the params.
+    if model is not None:
+        apply_model(model, state["model"], strict)
+    if optimizer is not None:
+        apply_optimizer(optimizer, state["optim"])
+    if scheduler is not None:
+        scheduler.load_state_dict(state["scheduler"])
+    if world.is_root:
+        log.info("nxd_ckpt: loaded checkpoint %s from %s", tag, storage.root)
+    return state.get("user_content")
+
+
+def has_checkpoint(checkpoint_dir_str) -> bool:
+    """True when the directory holds at least one complete checkpoint."""
+    return bool(list_checkpoints(checkpoint_dir_str))
+
+
+def list_checkpoints(checkpoint_dir_str) -> List[str]:
+    """Complete tags, newest first (by commit time)."""
+    root = os.fspath(checkpoint_dir_str)
+    if not os.path.isdir(root):
+        return []
+    return commit.complete_tags(open_storage(root))
+
+
+def newest_checkpoint(checkpoint_dir_str) -> Optional[str]:
+    """The newest complete tag, or None."""
+    tags = list_checkpoints(checkpoint_dir_str)
+    return tags[0] if tags else None
+
+
+def save_stats() -> List[dict]:
+    """Per-save statistics of this process (stall_s, commit_s, bytes, files, ...), oldest first."""
+    return list(get_engine().history)

@@ -1,0 +1,165 @@
+"""The commit protocol: markers, manifest, atomic publish of a tag, the `newest` pointer, retention.
+
+A save writes into ``<dir>/<tag>.nxdtmp/``. Once every rank has reported its files durable, rank 0
+writes ``manifest.json`` and ``done`` there (both fsynced) and renames the directory to ``<dir>/<tag>``;
+then replaces ``<dir>/newest``. A crash at any moment therefore leaves either the old state or the new
+complete tag, plus at worst a ``.nxdtmp`` directory that the next successful save deletes.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass
+from typing import Dict, Iterable, List, Optional, Set
+
+from . import layout
+from ._version import __version__
+from .storage import Storage
+
+log = logging.getLogger("nxd_ckpt")
+
+STAGING_SUFFIX = ".nxdtmp"
+OLD_SUFFIX = ".nxdold"
+MANIFEST_FORMAT = "nxd-ckpt-manifest"
+MANIFEST_VERSION = 1
+
+
+def staging_name(tag: str) -> str:
+    return f"{tag}{STAGING_SUFFIX}"
+
+
+def prepare_staging(storage: Storage, tag: str) -> None:
+    """Rank 0, before any rank writes: a fresh staging directory with NxD's `checkpoint` marker."""
+    staging = staging_name(tag)
+    if storage.exists(staging):
+        storage.remove_tree(staging)
+    storage.makedirs(staging)
+    storage.write_file(f"{staging}/{layout.CHECKPOINT_MARKER}", lambda f: f.write(b"1"))
+
+
+def build_manifest(tag: str, topology: dict, flags: dict, files: Dict[str, dict],
+                   tensors: Dict[str, dict]) -> dict:
+    return {
+        "format": MANIFEST_FORMAT,
+        "format_version": MANIFEST_VERSION,
+        "library_version": __version__,
+        "tag": tag,
+        "created_at": time.time(),
+        "topology": topology,
+        **flags,
+        "files": dict(sorted(files.items())),
+        "tensors": tensors,
+    }
+
+
+def publish(storage: Storage, tag: str, manifest: dict) -> None:
+    """Rank 0, after every rank's files are durable: manifest, `done`, rename into place, `newest`."""
+    staging = staging_name(tag)
+    body = json.dumps(manifest, indent=1, sort_keys=False).encode()
+    storage.write_file(f"{staging}/{layout.MANIFEST_FILE}", lambda f: f.write(body))
+    storage.write_file(f"{staging}/{layout.DONE_MARKER}", lambda f: f.write(b"1"))
+    storage.sync_dirs([staging])
+    if storage.exists(tag):
+        # Re-saving an existing tag: move the old one aside first so a crash here never leaves a
+        # half-replaced tag; the old one is removed only after the new one is in place.
+        old = f"{tag}{OLD_SUFFIX}"
+        storage.remove_tree(old)
+        storage.rename(tag, old)
+        storage.rename(staging, tag)
+        storage.sync_dirs([""])
+        storage.remove_tree(old)
+    else:
+        storage.rename(staging, tag)
+    storage.sync_dirs([""])
+    write_newest(storage, tag)
+
+
+def write_newest(storage: Storage, tag: str) -> None:
+    storage.write_file(layout.NEWEST_FILE, lambda f: f.write(tag.encode()))
+
+
+def read_manifest(storage: Storage, tag: str) -> Optional[dict]:
+    """The tag's manifest, or None when it has none (NxD checkpoints). Raises ValueError if unreadable."""
+    rel = f"{tag}/{layout.MANIFEST_FILE}"
+    if not storage.exists(rel):
+        return None
+    data = json.loads(storage.read_bytes(rel))
+    if data.get("format") != MANIFEST_FORMAT:
+        raise ValueError(f"{rel} is not an nxd-ckpt manifest")
+    return data
+
+
+@dataclass(frozen=True)
+class TagInfo:
+    tag: str
+    complete: bool
+    committed_at: float   # mtime of `done` (complete) or of the directory (incomplete)
+    ours: bool            # has a manifest
+
+
+def _is_special(name: str) -> bool:
+    return name.endswith(STAGING_SUFFIX) or name.endswith(OLD_SUFFIX) or name.endswith(layout.TMP_SUFFIX)
+
+
+def scan_tags(storage: Storage) -> List[TagInfo]:
+    """Every checkpoint tag directory (ours or NxD's), newest first; staging debris excluded."""
+    out = []
+    for name in storage.listdir(""):
+        if _is_special(name) or not storage.isdir(name):
+            continue
+        path = os.path.join(getattr(storage, "root", ""), name)
+        if not layout.looks_like_checkpoint_dir(path) and not storage.exists(f"{name}/{layout.DONE_MARKER}"):
+            continue
+        done = f"{name}/{layout.DONE_MARKER}"
+        complete = storage.exists(done)
+        when = storage.mtime(done) if complete else storage.mtime(name)
+        out.append(TagInfo(name, complete, when, storage.exists(f"{name}/{layout.MANIFEST_FILE}")))
+    out.sort(key=lambda t: (t.committed_at, _natural_key(t.tag)), reverse=True)
+    return out
+
+
+def _natural_key(s: str):
+    import re
+
+    return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", s)]
+
+
+def complete_tags(storage: Storage) -> List[str]:
+    """Complete tags (a `done` marker), newest first."""
+    return [t.tag for t in scan_tags(storage) if t.complete]
+
+
+def delete_tag(storage: Storage, name: str) -> None:
+    """Remove a tag so that an interrupted delete never leaves a complete-looking directory."""
+    storage.remove_file(f"{name}/{layout.DONE_MARKER}")
+    storage.remove_file(f"{name}/{layout.MANIFEST_FILE}")
+    storage.sync_dirs([name])
+    storage.remove_tree(name)
+
+
+def apply_retention(storage: Storage, num_kept: Optional[int], protected: Iterable[str] = (),
+                    in_flight: Iterable[str] = ()) -> List[str]:
+    """Rank 0 after a successful commit: keep the newest ``num_kept`` complete tags (all when None or
+    -1), delete older complete ones, incomplete ones left by crashes and staging debris. Never deletes the
+    newest complete tag, a protected tag, or anything not recognisably a checkpoint. Returns what it
+    deleted."""
+    protected = set(protected)
+    busy: Set[str] = set(in_flight) | {staging_name(t) for t in in_flight}
+    tags = scan_tags(storage)
+    complete = [t.tag for t in tags if t.complete]
+    doomed: List[str] = []
+    if num_kept is not None and num_kept != -1:
+        keep = set(complete[: max(1, num_kept)])
+        doomed += [t for t in complete if t not in keep and t not in protected]
+    doomed += [t.tag for t in tags if not t.complete and t.tag not in busy and t.tag not in protected]
+    for name in storage.listdir(""):
+        if _is_special(name) and storage.isdir(name) and name not in busy:
+            doomed.append(name)
+    for name in doomed:
+        log.info("nxd_ckpt: retention removes %s", name)
+        delete_tag(storage, name)
+    if doomed:
+        storage.sync_dirs([""])
+    return doomed

@@ -1,0 +1,229 @@
+"""The per-process checkpoint engine: save sequence numbers, the background runner, the host-memory
+budget, saves in flight, and errors waiting to be raised. One instance per process, created lazily."""
+from __future__ import annotations
+
+import atexit
+import logging
+import threading
+import time
+from typing import List, Optional
+
+import torch
+
+from . import layout
+from .coord import Coordinator, default_store
+from .errors import CheckpointError, RankFailureError
+from .plan import SavePlan, tensor_nbytes
+from .staging import HostBudget, chunk_by_bytes, copy_to_host, default_host_budget, device_snapshot
+from .storage import Storage
+from .world import World
+from .writer import SaveJob, SaveRunner, bytes_task, plain_shard_task, tensor_task
+
+log = logging.getLogger("nxd_ckpt")
+
+EXIT_TIMEOUT_S = 600.0
+
+
+class Engine:
+    def __init__(self):
+        self.seq = 0
+        self.runner: Optional[SaveRunner] = None
+        self.budget: Optional[HostBudget] = None
+        self.jobs: List[SaveJob] = []
+        self.history: List[dict] = []
+        self.loading: set = set()
+        self._lock = threading.Lock()
+
+    # --- saves -------------------------------------------------------------------------------------
+    def start_job(self, world: World, storage: Storage, tag: str, plan: SavePlan, num_kept, num_workers: int,
+                  timeout_s: float, budget_bytes: Optional[int], called_at: float) -> SaveJob:
+        self._ensure_runner(world, budget_bytes)
+        self.seq += 1
+        coord = Coordinator(default_store(), world.rank, world.world_size, f"nxd_ckpt/save/{self.seq}", timeout_s)
+        job = SaveJob(
+            seq=self.seq, tag=tag, storage=storage, rank=world.rank, coordinator=coord,
+            manifest_info=_manifest_info(world, plan), num_kept=num_kept,
+            in_flight=self.in_flight_tags, protected=lambda: sorted(self.loading), called_at=called_at,
+        )
+        job.stats["num_workers"] = num_workers
+        job.stats["tag"] = tag
+        with self._lock:
+            self.jobs.append(job)
+        self.runner.submit(job)
+        return job
+
+    def _ensure_runner(self, world: World, budget_bytes: Optional[int]) -> None:
+        cap = budget_bytes or default_host_budget(world.local_world_size)
+        if self.budget is None:
+            self.budget = HostBudget(cap)
+        elif budget_bytes and budget_bytes != self.budget.capacity:
+            self.budget.capacity = int(budget_bytes)
+        if self.runner is None:
+            self.runner = SaveRunner(self.budget)
+
+    def snapshot(self, job: SaveJob, plan: SavePlan, *, on_device: bool, timeout_s: float) -> None:
+        """Feed the job every file of ``plan``. Blocks for the host copy (host mode) or only for the
+        on-device clone (device mode, host copy continues on a feeder thread)."""
+        for rel, data in plan.small_files.items():
+            job.add(bytes_task(rel, data))
+        for shard in plan.shards:
+            if shard.xser and shard.writes_ref:
+                from .capture import info_bytes
+
+                job.add(bytes_task(shard.relpath, shard.ref_bytes))
+                job.add(bytes_task(layout.info_path(shard.relpath), info_bytes(shard.tensors, shard.tensor_meta)))
+        units = _units(plan)
+        if on_device:
+            tensors = device_snapshot([t for u in units for t in u[1]])
+            it = iter(tensors)
+            units = [(u[0], [next(it) for _ in u[1]]) for u in units]
+            feeder = threading.Thread(target=self._feed_units, args=(job, units, timeout_s),
+                                      name="nxd_ckpt-d2h", daemon=True)
+            feeder.start()
+        else:
+            self._feed_units(job, units, timeout_s)
+
+    def _feed_units(self, job: SaveJob, units, timeout_s: float) -> None:
+        try:
+            sizes = [sum(tensor_nbytes(t) for t in ts) for _, ts in units]
+            for chunk in chunk_by_bytes(sizes, self.budget.capacity):
+                need = sum(sizes[i] for i in chunk)
+                waited = self.budget.acquire(need, timeout_s)
+                if waited > 0.01:
+                    log.info("nxd_ckpt: save %s waited %.3fs for %d MB of host staging memory (budget %d MB)",
+                             job.tag, waited, need >> 20, self.budget.capacity >> 20)
+                    job.stats["budget_wait_s"] = job.stats.get("budget_wait_s", 0.0) + waited
+                flat = [t for i in chunk for t in units[i][1]]
+                host = iter(copy_to_host(flat))
+                for i in chunk:
+                    make_task, ts = units[i]
+                    job.add(make_task([next(host) for _ in ts]))
+        except BaseException as exc:  # noqa: BLE001
+            job.add(_failing_task(exc))
+        finally:
+            job.close()
+
+    def wait(self, job: SaveJob, timeout_s: float) -> None:
+        if not job.finished.wait(timeout_s):
+            raise RankFailureError(f"checkpoint {job.tag!r} did not finish within {timeout_s:.0f}s on this rank")
+        self._retire(job)
+        if job.error is not None:
+            err, job.error = job.error, None
+            raise err
+
+    def in_flight_tags(self) -> List[str]:
+        with self._lock:
+            return [j.tag for j in self.jobs if not j.finished.is_set()]
+
+    def raise_pending(self) -> None:
+        """Raise, once, the error of any finished background save (oldest first)."""
+        with self._lock:
+            finished = [j for j in self.jobs if j.finished.is_set()]
+        errors = []
+        for j in finished:
+            self._retire(j)
+            if j.error is not None:
+                errors.append(j.error)
+                j.error = None
+        if errors:
+            raise errors[0]
+
+    def finalize(self, timeout_s: float) -> None:
+        """Wait for every save in flight; raise the first background error once."""
+        with self._lock:
+            jobs = list(self.jobs)
+        deadline = time.monotonic() + timeout_s
+        for j in jobs:
+            if not j.finished.wait(max(0.0, deadline - time.monotonic())):
+                raise RankFailureError(f"checkpoint {j.tag!r} did not finish within {timeout_s:.0f}s")
+        self.raise_pending()
+
+    def _retire(self, job: SaveJob) -> None:
+        with self._lock:
+            if job in self.jobs:
+                self.jobs.remove(job)
+                self.history.append(dict(job.stats, ok=job.error is None))
+                _log_done(job)
+
+    def shutdown_at_exit(self) -> None:
+        """atexit: wait for saves in flight with a timeout; no collectives; report failures in the log."""
+        with self._lock:
+            jobs = list(self.jobs)
+        if not jobs:
+            return
+        log.info("nxd_ckpt: waiting up to %.0fs for %d checkpoint save(s) in flight", EXIT_TIMEOUT_S, len(jobs))
+        deadline = time.monotonic() + EXIT_TIMEOUT_S
+        for j in jobs:
+            if not j.finished.wait(max(0.0, deadline - time.monotonic())):
+                log.error("nxd_ckpt: checkpoint %s still unfinished at exit; it is not marked complete", j.tag)
+            elif j.error is not None:
+                log.error("nxd_ckpt: checkpoint %s failed: %s", j.tag, j.error)
+
+
+def _units(plan: SavePlan):
+    """(task factory, tensors) pairs: one per xser tensor file, one per whole non-xser shard."""
+    units = []
+    for shard in plan.shards:
+        if shard.xser:
+            for tid in shard.my_tids:
+                rel = layout.tensor_path(shard.relpath, tid)
+                units.append(((lambda ts, rel=rel: tensor_task(rel, ts[0])), [shard.tensors[tid]]))
+        elif shard.writes_ref:
+            tids = shard.my_tids
+
+            def make(ts, shard=shard, tids=tids):
+                host = dict(zip(tids, ts))
+                return plain_shard_task(shard.relpath, shard.ref_bytes, host, sum(tensor_nbytes(t) for t in ts))
+
+            units.append((make, [shard.tensors[t] for t in tids]))
+    return units
+
+
+def _failing_task(exc: BaseException):
+    from .writer import WriteTask
+
+    def produce(f):
+        raise exc
+
+    return WriteTask("<snapshot>", produce, 0)
+
+
+def _manifest_info(world: World, plan: SavePlan) -> dict:
+    topo = world.topology
+    tensors = {}
+    for shard in plan.shards:
+        if shard.writes_ref:
+            tensors[shard.relpath] = {str(tid): m for tid, m in shard.tensor_meta.items()}
+    return {
+        "topology": {"world_size": topo.world_size, "tp": topo.tp, "pp": topo.pp, "dp": topo.dp,
+                     "cp": topo.cp, "ep": topo.ep},
+        "flags": {"zero1": plan.zero1, "xser": plan.xser, "has_model": plan.has_model,
+                  "has_optim": plan.has_optim},
+        "tensors": tensors,
+    }
+
+
+def _log_done(job: SaveJob) -> None:
+    s = job.stats
+    if job.error is not None:
+        log.error("nxd_ckpt: checkpoint %s failed after %.3fs: %s", job.tag, s.get("commit_s", float("nan")),
+                  job.error)
+        return
+    nbytes = s.get("bytes", 0)
+    commit_s = s.get("commit_s", float("nan"))
+    log.info("nxd_ckpt: checkpoint %s: stall %.1f ms, %.1f MB from this rank, committed after %.3fs, %.2f GB/s",
+             job.tag, 1000 * s.get("stall_s", 0.0), nbytes / 1e6, commit_s,
+             nbytes / commit_s / 1e9 if commit_s and commit_s > 0 else 0.0)
+
+
+_ENGINE: Optional[Engine] = None
+_ENGINE_LOCK = threading.Lock()
+
+
+def get_engine() -> Engine:
+    global _ENGINE
+    with _ENGINE_LOCK:
+        if _ENGINE is None:
+            _ENGINE = Engine()
+            atexit.register(_ENGINE.shutdown_at_exit)
+        return _ENGINE

@@ -1,0 +1,491 @@
+"""Export a checkpoint's model as Hugging Face style safetensors: `nxd-ckpt export`.
+
+Tensor-parallel shards are merged with the partition attributes recorded at save time (manifest or
+``.info.pt``: ``partition_dim``, and ``partition_stride`` > 1 for Megatron-style strided interleaving), or
+with ``--partition NAME_GLOB=DIM[:STRIDE]`` for checkpoints that do not record them (neuronx-distributed's
+own). A tensor identical on every TP rank is replicated and taken once; one that differs without partition
+information is an error. Pipeline stages contribute the union of their keys; a key present in several
+stages must hold the same value in each.
+
+Files are written one tensor at a time: the safetensors header is computed from the metadata first, then
+each tensor is read from its TP shards, merged, cast and appended, so memory stays near the largest tensor.
+"""
+from __future__ import annotations
+
+import fnmatch
+import json
+import os
+import re
+import shutil
+import struct
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+import xser
+
+from . import commit, layout
+from .errors import CheckpointArgumentError, CheckpointError, CorruptCheckpointError
+from .storage import LocalStorage
+from .verify import CheckedReader, load_manifest_file
+
+
+class ExportError(CheckpointError, ValueError):
+    """The model cannot be exported as asked (missing partition information, inconsistent shards, ...)."""
+
+
+_ST_DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+for _name, _code in (("uint16", "U16"), ("uint32", "U32"), ("uint64", "U64"), ("float8_e4m3fn", "F8_E4M3"),
+                     ("float8_e5m2", "F8_E5M2")):
+    if hasattr(torch, _name):
+        _ST_DTYPES[getattr(torch, _name)] = _code
+
+DTYPE_ALIASES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
+                 "half": torch.float16, "fp32": torch.float32, "float32": torch.float32, "float": torch.float32}
+
+_UNITS = {"": 1, "B": 1, "KB": 10 ** 3, "MB": 10 ** 6, "GB": 10 ** 9, "TB": 10 ** 12,
+          "KIB": 2 ** 10, "MIB": 2 ** 20, "GIB": 2 ** 30, "TIB": 2 ** 40}
+
+
+def parse_size(text) -> int:
+    """'5GB' -> 5e9, '500MiB' -> 500 * 2**20, '1000' -> 1000 bytes (Hugging Face's convention)."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        if text <= 0:
+            raise CheckpointArgumentError(f"--max-shard-size must be positive, got {text}")
+        return text
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", str(text))
+    if not m or m.group(2).upper() not in _UNITS:
+        raise CheckpointArgumentError(
+            f"--max-shard-size {text!r} is not a size; write e.g. 5GB, 500MB, 2GiB or a number of bytes")
+    n = int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+    if n <= 0:
+        raise CheckpointArgumentError(f"--max-shard-size must be positive, got {text!r}")
+    return n
+
+
+def parse_partition(spec: str) -> Tuple[str, int, int]:
+    """'NAME_GLOB=DIM' or 'NAME_GLOB=DIM:STRIDE' -> (glob, dim, stride)."""
+    m = re.fullmatch(r"(.+)=(-?\d+)(?::(\d+))?", spec.strip())
+    if not m:
+        raise CheckpointArgumentError(
+            f"--partition {spec!r} is not NAME_GLOB=DIM[:STRIDE]; e.g. --partition '*.qkv_proj.weight=0' "
+            "or --partition '*.gate_up.weight=0:2'")
+    stride = int(m.group(3)) if m.group(3) else 1
+    if stride < 1:
+        raise CheckpointArgumentError(f"--partition {spec!r}: the stride must be >= 1")
+    return m.group(1), int(m.group(2)), stride
+
+
+def parse_dtype(name: Optional[str]) -> Optional[torch.dtype]:
+    if name is None:
+        return None
+    d = DTYPE_ALIASES.get(str(name).lower())
+    if d is None:
+        raise CheckpointArgumentError(f"--dtype {name!r} is not one of bf16, fp16, fp32")
+    return d
+
+
+def merge_tp(shards: Sequence[torch.Tensor], dim: int, stride: int = 1) -> torch.Tensor:
+    """The full tensor from its TP shards (rank order). With ``stride`` s > 1 each shard holds s blocks along
+    ``dim`` and the full tensor is block k of every rank, for k = 0..s-1 (Megatron's strided split)."""
+    if len(shards) == 1:
+        return shards[0]
+    if stride == 1:
+        return torch.cat(list(shards), dim=dim)
+    per = shards[0].shape[dim]
+    if per % stride:
+        raise ExportError(f"a shard has {per} rows along dim {dim}, not a multiple of partition_stride {stride}")
+    blk = per // stride
+    return torch.cat([s.narrow(dim, k * blk, blk) for k in range(stride) for s in shards], dim=dim)
+
+
+def bit_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return torch.equal(a.reshape(-1).contiguous().view(torch.uint8), b.reshape(-1).contiguous().view(torch.uint8))
+
+
+def _dtype(name) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    d = getattr(torch, str(name).replace("torch.", ""), None)
+    if not isinstance(d, torch.dtype):
+        raise CorruptCheckpointError(f"unknown dtype {name!r} in the checkpoint's metadata")
+    return d
+
+
+# --- reading the model shards ----------------------------------------------------------------------
+@dataclass
+class Leaf:
+    """One tensor of one (tp, pp) shard, not loaded."""
+
+    rel: str                      # the shard's ref file, relative to the tag
+    ref: Any                      # TensorReference or inline tensor
+    dtype: torch.dtype
+    shape: tuple
+    partition: Optional[Tuple[int, int]]   # (dim, stride) when TP-partitioned
+
+
+@dataclass
+class OutTensor:
+    key: str
+    stages: Dict[int, List[Leaf]] = field(default_factory=dict)   # pp -> leaves by tp rank
+    partition: Optional[Tuple[int, int]] = None
+    shape: tuple = ()
+    dtype: torch.dtype = torch.float32      # as written (after --dtype)
+    src_dtype: torch.dtype = torch.float32
+    stage_parts: Dict[int, Optional[Tuple[int, int]]] = field(default_factory=dict)
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= int(d)
+        return n * torch.empty((), dtype=self.dtype).element_size()
+
+
+def _flatten(obj, prefix="", out=None, skipped=None):
+    """{dotted key: TensorReference or tensor} of a (possibly nested) model state dict."""
+    if out is None:
+        out, skipped = {}, []
+    if xser.is_ref(obj) or isinstance(obj, torch.Tensor):
+        out[prefix] = obj
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            _flatten(v, f"{prefix}.{k}" if prefix else str(k), out, skipped)
+    else:
+        skipped.append(prefix)
+    return out, skipped
+
+
+class _Shard:
+    def __init__(self, reader: CheckedReader, rel: str, manifest: Optional[dict], xser_folder: bool):
+        self.reader, self.rel = reader, rel
+        self.xser = xser_folder
+        data = reader.refs(rel) if xser_folder else reader.plain(rel, mmap=True)
+        self.flat, self.skipped = _flatten(data)
+        self.info = (reader.info(rel) or {}) if xser_folder else {}
+        self.meta = {}
+        if manifest is not None:
+            for tid, m in manifest.get("tensors", {}).get(rel, {}).items():
+                self.meta[int(tid)] = m
+
+    def describe(self, key: str, ref) -> Leaf:
+        part = None
+        if xser.is_ref(ref):
+            m = self.meta.get(ref.tid) or self.info.get(ref.tid)
+            if m is None:
+                t = self._peek(ref.tid)
+                dtype, shape = t.dtype, tuple(t.shape)
+            else:
+                dtype, shape = _dtype(m["dtype"]), tuple(int(d) for d in m["shape"])
+                if m.get("tensor_model_parallel"):
+                    part = (int(m.get("partition_dim", 0)), int(m.get("partition_stride", 1)))
+        else:
+            dtype, shape = ref.dtype, tuple(ref.shape)
+            if getattr(ref, "tensor_model_parallel", False):
+                part = (int(getattr(ref, "partition_dim", 0)), int(getattr(ref, "partition_stride", 1)))
+        return Leaf(self.rel, ref, dtype, shape, part)
+
+    def _peek(self, tid: int) -> torch.Tensor:
+        path = self.reader.path(layout.tensor_path(self.rel, tid))
+        try:
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except Exception:  # noqa: BLE001 - fall back to a full, checked read
+            return self.reader.tensor(layout.tensor_path(self.rel, tid))
+
+    def load(self, leaf: Leaf) -> torch.Tensor:
+        if xser.is_ref(leaf.ref):
+            t = self.reader.tensor(layout.tensor_path(self.rel, leaf.ref.tid))
+        else:
+            t = leaf.ref
+        if t.dtype != leaf.dtype or tuple(t.shape) != leaf.shape:
+            raise CorruptCheckpointError(
+                f"{self.reader.path(self.rel)}: a tensor is {t.dtype} {tuple(t.shape)}, its metadata says "
+                f"{leaf.dtype} {leaf.shape}", path=self.reader.path(self.rel))
+        return t
+
+
+def plan_export(tagdir: str, partitions: Sequence[Tuple[str, int, int]] = (), dtype: Optional[torch.dtype] = None,
+                trusted: bool = False) -> Tuple[List[OutTensor], Dict[Tuple[int, int], _Shard], List[str]]:
+    """Every output tensor with its sources, full shape and output dtype; no tensor data is read."""
+    tagdir = os.path.abspath(tagdir)
+    folder = os.path.join(tagdir, layout.MODEL_DIR)
+    if not os.path.isdir(folder):
+        raise ExportError(f"{tagdir} has no model/ folder: the checkpoint was saved without a model")
+    manifest = load_manifest_file(tagdir)
+    reader = CheckedReader(tagdir, manifest, trusted)
+    names = layout.list_shard_files(folder)
+    if any(s.ep is not None for s in names):
+        raise ExportError(f"{folder} holds expert-parallel shards (ep_rank in the names); exporting them is not "
+                          "supported yet")
+    names = {s: n for s, n in names.items() if s.dp == 0}
+    if not names:
+        raise ExportError(f"{folder} holds no model shard files (dp_rank_00_tp_rank_TT_pp_rank_PP.pt)")
+    tps = sorted({s.tp for s in names})
+    pps = sorted({s.pp for s in names})
+    for tp in range(max(tps) + 1):
+        for pp in range(max(pps) + 1):
+            if layout.ShardName(0, tp, pp) not in names:
+                raise ExportError(f"{folder} lacks {layout.shard_filename(0, tp, pp)}: the checkpoint is incomplete")
+    ntp = max(tps) + 1
+    xser_folder = layout.folder_is_xser(folder)
+    shards = {(s.tp, s.pp): _Shard(reader, f"{layout.MODEL_DIR}/{n}", manifest, xser_folder) for s, n in names.items()}
+    skipped = sorted({k for sh in shards.values() for k in sh.skipped if k})
+    outs: Dict[str, OutTensor] = {}
+    for pp in range(max(pps) + 1):
+        keys = list(shards[(0, pp)].flat)
+        for tp in range(ntp):
+            other = shards[(tp, pp)].flat
+            if set(other) != set(keys):
+                diff = sorted(set(other) ^ set(keys))
+                raise ExportError(f"pp stage {pp}: tp ranks 0 and {tp} hold different keys (e.g. {diff[0]!r}); "
+                                  "the shards do not come from one save")
+        for key in keys:
+            leaves = [shards[(tp, pp)].describe(key, shards[(tp, pp)].flat[key]) for tp in range(ntp)]
+            out = outs.setdefault(key, OutTensor(key))
+            out.stages[pp] = leaves
+    result = []
+    for key, out in outs.items():
+        _resolve(out, partitions, ntp, dtype)
+        result.append(out)
+    return result, shards, skipped
+
+
+def _resolve(out: OutTensor, partitions, ntp: int, dtype: Optional[torch.dtype]) -> None:
+    """Partition, full shape and dtypes of one output tensor, checked across TP ranks and PP stages."""
+    override = next(((d, s) for g, d, s in partitions if fnmatch.fnmatchcase(out.key, g)), None)
+    full_shapes = {}
+    for pp, leaves in out.stages.items():
+        first = leaves[0]
+        for tp, leaf in enumerate(leaves):
+            if leaf.dtype != first.dtype:
+                raise ExportError(f"{out.key!r} is {first.dtype} on tp rank 0 but {leaf.dtype} on tp rank {tp}")
+        part = override if override is not None else first.partition
+        if override is None and any(leaf.partition != first.partition for leaf in leaves):
+            raise ExportError(f"{out.key!r} has different partition attributes on different TP ranks; pass "
+                              f"--partition '{out.key}=DIM' to say how it is split")
+        shapes = {leaf.shape for leaf in leaves}
+        if part is None or ntp == 1:
+            if len(shapes) > 1:
+                dims = [i for i in range(len(first.shape)) if len({s[i] for s in shapes if len(s) > i}) > 1]
+                raise ExportError(
+                    f"{out.key!r} has different shapes on different TP ranks ({sorted(shapes)}) but no partition "
+                    f"information; pass --partition '{out.key}=DIM' (probably DIM={dims[0] if dims else 0})")
+            full = first.shape
+            part = None if ntp == 1 else part
+        else:
+            if len(shapes) > 1:
+                raise ExportError(f"{out.key!r} is partitioned but its TP shards have different shapes {sorted(shapes)}")
+            dim, stride = part
+            nd = len(first.shape)
+            if not -nd <= dim < nd:
+                raise ExportError(f"{out.key!r} has {nd} dims; partition dim {dim} is out of range (--partition)")
+            dim %= nd
+            part = (dim, stride)
+            if first.shape[dim] % stride:
+                raise ExportError(f"{out.key!r}: {first.shape[dim]} rows along dim {dim} are not a multiple of "
+                                  f"partition_stride {stride}")
+            full = tuple(d * ntp if i == dim else d for i, d in enumerate(first.shape))
+        full_shapes[pp] = (full, first.dtype, part)
+    vals = list(full_shapes.values())
+    if any(v[:2] != vals[0][:2] for v in vals):
+        raise ExportError(f"{out.key!r} appears in several pipeline stages with different shapes or dtypes "
+                          f"({', '.join(f'pp {p}: {v[1]} {v[0]}' for p, v in full_shapes.items())})")
+    out.shape, out.src_dtype, out.partition = vals[0]
+    out.dtype = dtype if (dtype is not None and out.src_dtype.is_floating_point) else out.src_dtype
+    if out.dtype not in _ST_DTYPES:
+        raise ExportError(f"{out.key!r} has dtype {out.dtype}, which safetensors cannot store; pass --dtype")
+    out.stage_parts = {pp: v[2] for pp, v in full_shapes.items()}
+
+
+def _materialise(out: OutTensor, shards: Dict[Tuple[int, int], _Shard]) -> torch.Tensor:
+    """The full tensor: TP shards merged (or the replicated copy, checked), equal across PP stages, cast."""
+    result = None
+    first_pp = None
+    for pp, leaves in sorted(out.stages.items()):
+        part = out.stage_parts[pp]
+        tensors = [shards[(tp, pp)].load(leaf) for tp, leaf in enumerate(leaves)]
+        if part is None:
+            for tp in range(1, len(tensors)):
+                if not bit_equal(tensors[0], tensors[tp]):
+                    raise ExportError(
+                        f"{out.key!r} differs between tp rank 0 and tp rank {tp} but has no partition information "
+                        f"(checkpoints written by neuronx-distributed do not record it); if it is TP-sharded, pass "
+                        f"--partition '{out.key}=DIM' (DIM = the dimension it is split along, e.g. 0 for column-"
+                        f"parallel and 1 for row-parallel weights)")
+            full = tensors[0]
+        else:
+            full = merge_tp(tensors, *part)
+        del tensors
+        if result is None:
+            result, first_pp = full, pp
+        elif not bit_equal(result, full):
+            raise ExportError(f"{out.key!r} appears in pipeline stages {first_pp} and {pp} with different values; "
+                              "a key may only be shared by stages (e.g. tied embeddings) when it is equal in both")
+    if result.dtype != out.dtype:
+        result = result.to(out.dtype)
+    return result.contiguous()
+
+
+# --- writing ----------------------------------------------------------------------------------------
+def split_files(outs: List[OutTensor], max_bytes: int) -> List[List[OutTensor]]:
+    """Tensors in order, cut into files of at most ``max_bytes`` (a larger tensor gets a file of its own)."""
+    files: List[List[OutTensor]] = [[]]
+    size = 0
+    for o in outs:
+        if files[-1] and size + o.nbytes > max_bytes:
+            files.append([])
+            size = 0
+        files[-1].append(o)
+        size += o.nbytes
+    return [f for f in files if f] or [[]]
+
+
+def safetensors_header(outs: List[OutTensor], metadata: Optional[Dict[str, str]] = None) -> bytes:
+    header: Dict[str, Any] = {"__metadata__": dict(metadata or {"format": "pt"})}
+    off = 0
+    for o in outs:
+        header[o.key] = {"dtype": _ST_DTYPES[o.dtype], "shape": [int(d) for d in o.shape],
+                         "data_offsets": [off, off + o.nbytes]}
+        off += o.nbytes
+    body = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    body += b" " * (-len(body) % 8)
+    return struct.pack("<Q", len(body)) + body
+
+
+def _tensor_bytes(t: torch.Tensor) -> memoryview:
+    flat = t.reshape(-1)
+    if flat.numel() == 0:
+        return memoryview(b"")
+    return memoryview(flat.view(torch.uint8).numpy())
+
+
+@dataclass
+class ExportResult:
+    output: str
+    files: List[str]
+    tensors: int
+    total_size: int
+    skipped: List[str]
+    dtype: Optional[str]
+
+    def to_json(self) -> dict:
+        return dict(self.__dict__)
+
+
+def _check_output(tagdir: str, output: str, overwrite: bool) -> str:
+    src, dst = os.path.realpath(tagdir), os.path.realpath(output)
+    if dst == src or dst.startswith(src + os.sep) or src.startswith(dst + os.sep):
+        raise CheckpointArgumentError(f"--output {output} overlaps the checkpoint {tagdir}; pass a directory "
+                                      "outside it, e.g. ./hf_export")
+    if os.path.exists(dst):
+        if not os.path.isdir(dst):
+            raise CheckpointArgumentError(f"--output {output} exists and is not a directory")
+        if os.listdir(dst) and not overwrite:
+            raise CheckpointArgumentError(f"--output {output} exists and is not empty; pass --overwrite to replace "
+                                          "it, or choose a new directory")
+    return dst
+
+
+def export_model(tagdir: str, output: str, *, max_shard_size="5GB", dtype: Optional[str] = None,
+                 partitions: Sequence[str] = (), overwrite: bool = False, trusted: bool = False,
+                 progress: Optional[bool] = None) -> ExportResult:
+    """Write the merged model of tag ``tagdir`` to ``output`` as safetensors files plus an index."""
+    max_bytes = parse_size(max_shard_size)
+    target = parse_dtype(dtype)
+    parts = [parse_partition(p) for p in partitions]
+    if not os.path.isdir(tagdir):
+        raise CheckpointArgumentError(f"{tagdir} is not a directory; pass DIR/TAG (see `nxd-ckpt ls DIR`)")
+    if not os.path.isfile(os.path.join(tagdir, layout.DONE_MARKER)):
+        raise CheckpointArgumentError(f"{tagdir} has no 'done' marker: its save never finished; export a complete tag")
+    dst = _check_output(tagdir, output, overwrite)
+    outs, shards, skipped = plan_export(tagdir, parts, target, trusted)
+    groups = split_files(outs, max_bytes)
+    n = len(groups)
+    names = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    stage = dst + commit.STAGING_SUFFIX
+    shutil.rmtree(stage, ignore_errors=True)
+    os.makedirs(stage)
+    store = LocalStorage(stage)
+    show = sys.stderr.isatty() if progress is None else bool(progress)
+    bar = None
+    if show:
+        from tqdm import tqdm
+
+        bar = tqdm(total=sum(o.nbytes for o in outs), unit="B", unit_scale=True, unit_divisor=1024, desc="export")
+    try:
+        for name, group in zip(names, groups):
+            header = safetensors_header(group)
+
+            def produce(f, group=group, header=header):
+                f.write(header)
+                for o in group:
+                    t = _materialise(o, shards)
+                    f.write(_tensor_bytes(t))
+                    if bar is not None:
+                        bar.update(o.nbytes)
+                    del t
+
+            store.write_file(name, produce)
+        total = sum(o.nbytes for o in outs)
+        if n > 1:
+            index = {"metadata": {"total_size": total},
+                     "weight_map": {o.key: name for name, group in zip(names, groups) for o in group}}
+            body = json.dumps(index, indent=2).encode()
+            store.write_file("model.safetensors.index.json", lambda f: f.write(body))
+        if os.path.isdir(dst) and os.listdir(dst):
+            old = dst + commit.OLD_SUFFIX
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(dst, old)
+            os.replace(stage, dst)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            if os.path.isdir(dst):
+                os.rmdir(dst)
+            os.makedirs(os.path.dirname(dst) or ".", exist_ok=True)
+            os.replace(stage, dst)
+    except BaseException:
+        shutil.rmtree(stage, ignore_errors=True)
+        raise
+    finally:
+        if bar is not None:
+            bar.close()
+    files = names + (["model.safetensors.index.json"] if n > 1 else [])
+    return ExportResult(dst, files, len(outs), total, skipped, str(target).replace("torch.", "") if target else None)
+
+
+def add_arguments(p) -> None:
+    p.add_argument("tag", metavar="DIR/TAG", help="the checkpoint tag to export")
+    p.add_argument("--output", "-o", required=True, metavar="OUT", help="directory for the safetensors files")
+    p.add_argument("--max-shard-size", default="5GB", metavar="SIZE",
+                   help="largest file size, e.g. 5GB (default), 500MB, 2GiB")
+    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], help="cast floating-point tensors (others unchanged)")
+    p.add_argument("--partition", action="append", default=[], metavar="NAME_GLOB=DIM[:STRIDE]",
+                   help="how tensors matching NAME_GLOB are split over TP ranks, for checkpoints that do not "
+                        "record it; repeatable")
+    p.add_argument("--overwrite", action="store_true", help="replace a non-empty --output directory")
+    p.add_argument("--trusted", action="store_true",
+                   help="unpickle without weights_only restrictions (only for checkpoints from a trusted source)")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+
+
+EPILOG = """example:
+  nxd-ckpt export ckpts/step_1000 --output hf_model --dtype bf16
+  nxd-ckpt export ckpts/step_1000 --output hf_model --max-shard-size 2GB \\
+      --partition '*.qkv_proj.weight=0' --partition '*.o_proj.weight=1'
+"""
+
+
+def run_from_args(args) -> ExportResult:
+    return export_model(args.tag, args.output, max_shard_size=args.max_shard_size, dtype=args.dtype,
+                        partitions=args.partition, overwrite=args.overwrite, trusted=args.trusted)
+
+
+__all__ = ["export_model", "plan_export", "merge_tp", "parse_size", "parse_partition", "ExportError", "ExportResult"]

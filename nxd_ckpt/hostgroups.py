@@ -1,0 +1,69 @@
+"""Gloo process groups for host-side exchange during load (never the training group, never XLA).
+
+Groups are created collectively (every rank calls new_group for every group, in the same order), once
+per default process group, and cached.
+"""
+from __future__ import annotations
+
+import pickle
+from datetime import timedelta
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+_CACHE: Dict[Tuple, object] = {}
+_CACHE_OWNER: List[object] = [None]
+TIMEOUT = timedelta(seconds=600)
+
+
+def _check_owner() -> None:
+    pg = dist.group.WORLD
+    if _CACHE_OWNER[0] is not pg:
+        _CACHE.clear()
+        _CACHE_OWNER[0] = pg
+
+
+def world_group():
+    """A gloo group over all ranks (the default group itself when it is gloo)."""
+    _check_owner()
+    if dist.get_backend() == "gloo":
+        return None
+    key = ("world",)
+    if key not in _CACHE:
+        _CACHE[key] = dist.new_group(backend="gloo", timeout=TIMEOUT)
+    return _CACHE[key]
+
+
+def replica_host_groups(groups: Sequence[Sequence[int]]) -> Dict[Tuple[int, ...], object]:
+    """Gloo groups for each rank list of ``groups`` (all ranks must call this with the same lists)."""
+    _check_owner()
+    out = {}
+    for g in sorted(tuple(sorted(x)) for x in groups):
+        key = ("replicas", g)
+        if key not in _CACHE:
+            _CACHE[key] = dist.new_group(ranks=list(g), backend="gloo", timeout=TIMEOUT)
+        out[g] = _CACHE[key]
+    return out
+
+
+def all_gather_objects(obj) -> list:
+    """Every rank's ``obj`` (picklable, small), in rank order, over the host gloo group."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return [obj]
+    out: List[Optional[object]] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj, group=world_group())
+    return out
+
+
+def broadcast_tensor(t: torch.Tensor, src: int, group) -> torch.Tensor:
+    """Broadcast a contiguous CPU tensor's bytes from global rank ``src`` (any dtype, 0-d included)."""
+    flat = t.reshape(-1)
+    if flat.numel() == 0:
+        return t
+    dist.broadcast(flat.view(torch.uint8), src=src, group=group)
+    return t
+
+
+def dumps(obj) -> bytes:
+    return pickle.dumps(obj)

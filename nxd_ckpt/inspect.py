@@ -1,0 +1,364 @@
+"""What is in a checkpoint directory and in one tag: `nxd-ckpt ls` and `nxd-ckpt info`.
+
+Reads only small files (manifest, ref pickles, ``.info.pt``, scheduler and user content); tensor data is
+never read, except the header of tensor files whose shape is recorded nowhere else (older NxD, --tensors).
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import io
+import os
+from typing import List, Optional
+
+import torch
+
+import xser
+
+from . import commit, layout
+from .errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
+from .storage import LocalStorage
+from .verify import CheckedReader, load_manifest_file, shard_refs, walk_refs
+
+
+def _iso(ts: Optional[float]) -> Optional[str]:
+    if ts is None:
+        return None
+    return _dt.datetime.fromtimestamp(ts, tz=_dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def _walk_files(tagdir: str):
+    for root, _dirs, names in os.walk(tagdir):
+        for n in names:
+            full = os.path.join(root, n)
+            yield os.path.relpath(full, tagdir).replace(os.sep, "/"), full
+
+
+def derived_topology(tagdir: str) -> dict:
+    """tp/pp/dp/ep of a tag from its file names (for checkpoints without a manifest). ``dp`` is only
+    known for ZeRO-1 optimizer states (the number of DP shards); otherwise None."""
+    model = layout.list_shard_files(os.path.join(tagdir, layout.MODEL_DIR))
+    optim_dir = os.path.join(tagdir, layout.OPTIM_DIR)
+    optim = layout.list_shard_files(optim_dir)
+    fulls = [layout.parse_full_filename(n) for n in (os.listdir(optim_dir) if os.path.isdir(optim_dir) else [])]
+    fulls = [f for f in fulls if f is not None]
+    names = list(model) + list(optim) + fulls
+    ep = 1 + max((s.ep or 0 for s in names), default=0)
+    zero1 = any(s.dp >= 1 for s in optim)
+    shards = 1 + max((s.dp for s in optim), default=0) if zero1 else None
+    return {
+        "world_size": None,
+        "tp": 1 + max((s.tp for s in names), default=0),
+        "pp": 1 + max((s.pp for s in names), default=0),
+        "dp": shards * ep if shards else None,
+        "cp": None,
+        "ep": ep,
+    }
+
+
+def tag_summary(tagdir: str, committed_at: Optional[float] = None) -> dict:
+    """One row of `nxd-ckpt ls`: status with a quick check (presence and sizes, no checksums)."""
+    tagdir = os.path.abspath(tagdir)
+    has_done = os.path.isfile(os.path.join(tagdir, layout.DONE_MARKER))
+    row = {"tag": os.path.basename(tagdir), "path": tagdir, "status": "complete" if has_done else "incomplete",
+           "problem": None, "size": 0, "files": 0, "written_at": None, "format": None,
+           "tp": None, "pp": None, "dp": None, "ep": None, "zero1": None, "xser": None}
+    try:
+        manifest = load_manifest_file(tagdir)
+    except CorruptCheckpointError as exc:
+        manifest = None
+        row.update(status="damaged", problem=str(exc))
+    if manifest is not None:
+        row["format"] = "nxd-ckpt"
+        topo = manifest.get("topology", {})
+        row.update(tp=topo.get("tp"), pp=topo.get("pp"), dp=topo.get("dp"), ep=topo.get("ep"),
+                   zero1=manifest.get("zero1"), xser=manifest.get("xser"))
+        files = manifest["files"]
+        row["files"] = len(files)
+        row["size"] = sum(int(e["size"]) for e in files.values())
+        if has_done:
+            for rel, entry in sorted(files.items()):
+                try:
+                    size = os.path.getsize(os.path.join(tagdir, rel))
+                except OSError:
+                    row.update(status="damaged", problem=f"{rel} is missing")
+                    break
+                if size != entry["size"]:
+                    row.update(status="damaged", problem=f"{rel} has {size} bytes, the manifest says {entry['size']}")
+                    break
+    else:
+        row["format"] = "neuronx-distributed"
+        topo = derived_topology(tagdir)
+        row.update(tp=topo["tp"], pp=topo["pp"], dp=topo["dp"], ep=topo["ep"])
+        row["zero1"] = layout.folder_is_zero1(os.path.join(tagdir, layout.OPTIM_DIR))
+        row["xser"] = any(layout.folder_is_xser(os.path.join(tagdir, f)) for f in (layout.MODEL_DIR, layout.OPTIM_DIR))
+        for rel, full in _walk_files(tagdir):
+            if rel in (layout.CHECKPOINT_MARKER, layout.DONE_MARKER) or rel.endswith(layout.TMP_SUFFIX):
+                continue
+            row["files"] += 1
+            row["size"] += os.path.getsize(full)
+    if committed_at is None:
+        marker = os.path.join(tagdir, layout.DONE_MARKER if has_done else "")
+        committed_at = os.path.getmtime(marker if has_done else tagdir)
+    row["written_at"] = _iso(committed_at)
+    return row
+
+
+def list_tags(checkpoint_dir: str) -> List[dict]:
+    """Every tag under ``checkpoint_dir``, newest first, with status complete / incomplete / damaged
+    (a quick check: files missing or of the wrong size; checksums are `nxd-ckpt verify`'s job)."""
+    if not os.path.isdir(checkpoint_dir):
+        raise CheckpointNotFoundError(f"{checkpoint_dir} is not a directory")
+    out = []
+    for t in commit.scan_tags(LocalStorage(checkpoint_dir)):
+        out.append(tag_summary(os.path.join(checkpoint_dir, t.tag), t.committed_at))
+    return out
+
+
+def _small_file(tagdir: str, name: str, trusted: bool, reader: CheckedReader) -> Optional[dict]:
+    path = os.path.join(tagdir, name)
+    if not os.path.isfile(path):
+        return None
+    out = {"file": name, "bytes": os.path.getsize(path)}
+    try:
+        data = reader.read(name)
+    except CorruptCheckpointError as exc:
+        out["error"] = str(exc)
+        return out
+    try:
+        obj = torch.load(io.BytesIO(data), map_location="cpu", weights_only=not trusted)
+    except Exception as exc:  # noqa: BLE001
+        if trusted:
+            out["error"] = f"cannot be read: {str(exc).splitlines()[0]}"
+        else:
+            out["error"] = "not inspectable without --trusted (holds objects a safe load refuses)"
+        return out
+    if isinstance(obj, dict):
+        out["keys"] = [str(k) for k in obj.keys()]
+    else:
+        out["type"] = type(obj).__name__
+    return out
+
+
+def _key_of(path) -> str:
+    return "/".join(str(p) for p in path)
+
+
+def _dtype_name(d) -> str:
+    return str(d).replace("torch.", "")
+
+
+def _nbytes(dtype_name: str, shape) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    try:
+        return n * torch.empty((), dtype=getattr(torch, dtype_name)).element_size()
+    except (AttributeError, TypeError):
+        return 0
+
+
+def shard_tensor_meta(reader: CheckedReader, rel: str, manifest: Optional[dict], xser_folder: bool,
+                      want_missing_shapes: bool) -> List[dict]:
+    """[{tid, key, dtype, shape, partition...}] of one shard ref file, from the manifest, else from the
+    ref pickle + ``.info.pt`` (reading tensor headers only where neither records a shape)."""
+    if manifest is not None and rel in manifest.get("tensors", {}):
+        out = []
+        for tid, m in manifest["tensors"][rel].items():
+            e = {"tid": int(tid), "key": m.get("key", ""), "dtype": m.get("dtype"), "shape": list(m.get("shape", []))}
+            for k in ("tensor_model_parallel", "partition_dim", "partition_stride", "expert_model_parallel"):
+                if k in m:
+                    e[k] = m[k]
+            out.append(e)
+        return sorted(out, key=lambda e: e["tid"])
+    if xser_folder:
+        data = reader.refs(rel)
+        info = reader.info(rel) or {}
+    else:
+        data = reader.plain(rel, mmap=True)
+        info = {}
+    out, seen = [], set()
+    for i, (path, leaf) in enumerate(walk_refs(data)):
+        if xser.is_ref(leaf):
+            tid = leaf.tid
+            if tid in seen:
+                continue
+            seen.add(tid)
+            e = {"tid": tid, "key": _key_of(path)}
+            meta = info.get(tid)
+            if meta is not None:
+                e["dtype"] = _dtype_name(meta["dtype"])
+                e["shape"] = [int(d) for d in meta["shape"]]
+                for k in ("tensor_model_parallel", "partition_dim", "partition_stride", "expert_model_parallel"):
+                    if k in meta:
+                        e[k] = meta[k]
+            elif want_missing_shapes:
+                t = reader.tensor(layout.tensor_path(rel, tid))
+                e["dtype"], e["shape"] = _dtype_name(t.dtype), list(t.shape)
+            else:
+                e["dtype"], e["shape"] = None, None
+        else:  # an inline tensor
+            e = {"tid": None, "key": _key_of(path), "dtype": _dtype_name(leaf.dtype), "shape": list(leaf.shape),
+                 "inline": True}
+        out.append(e)
+    return out
+
+
+def describe(tagdir: str, tensors: bool = False, trusted: bool = False) -> dict:
+    """Everything `nxd-ckpt info` shows about one tag."""
+    tagdir = os.path.abspath(tagdir)
+    if not os.path.isdir(tagdir):
+        raise CheckpointNotFoundError(f"{tagdir} does not exist; pass DIR/TAG (see `nxd-ckpt ls DIR`)")
+    summary = tag_summary(tagdir)
+    manifest = None
+    try:
+        manifest = load_manifest_file(tagdir)
+    except CorruptCheckpointError:
+        pass
+    reader = CheckedReader(tagdir, manifest, trusted)
+    out = {
+        "tag": summary["tag"], "path": tagdir, "status": summary["status"], "problem": summary["problem"],
+        "format": summary["format"], "written_at": summary["written_at"],
+        "library_version": manifest.get("library_version") if manifest else None,
+        "topology": dict(manifest["topology"]) if manifest else derived_topology(tagdir),
+        "zero1": summary["zero1"], "xser": summary["xser"],
+        "has_model": os.path.isdir(os.path.join(tagdir, layout.MODEL_DIR)),
+        "has_optim": os.path.isdir(os.path.join(tagdir, layout.OPTIM_DIR)),
+        "total_bytes": summary["size"], "total_files": summary["files"],
+        "shards": [], "dtypes": {}, "tensor_count": 0, "errors": [],
+    }
+    all_tensors = []
+    for folder in (layout.MODEL_DIR, layout.OPTIM_DIR):
+        fpath = os.path.join(tagdir, folder)
+        xser_folder = layout.folder_is_xser(fpath)
+        for name in shard_refs(fpath):
+            rel = f"{folder}/{name}"
+            coords = layout.parse_shard_filename(name) or layout.parse_full_filename(name)
+            nfiles, nbytes = 0, 0
+            for r, full in _walk_files(fpath):
+                if r == name or r.startswith(name + layout.TENSORS_SUFFIX + "/") or r == name + layout.INFO_SUFFIX:
+                    nfiles += 1
+                    nbytes += os.path.getsize(full)
+            row = {"file": rel, "kind": folder, "dp": coords.dp if coords.dp >= 0 else "full", "tp": coords.tp,
+                   "pp": coords.pp, "ep": coords.ep, "files": nfiles, "bytes": nbytes}
+            try:
+                metas = shard_tensor_meta(reader, rel, manifest, xser_folder, want_missing_shapes=tensors)
+            except (CheckpointError, xser.XserError) as exc:
+                msg = str(exc)
+                if isinstance(exc, xser.UnsafeCheckpointError):
+                    msg = f"not inspectable without --trusted: {msg}"
+                out["errors"].append({"file": rel, "error": msg})
+                metas = []
+            row["tensors"] = len(metas)
+            out["shards"].append(row)
+            for m in metas:
+                out["tensor_count"] += 1
+                d = m.get("dtype") or "unknown"
+                slot = out["dtypes"].setdefault(d, {"count": 0, "bytes": 0})
+                slot["count"] += 1
+                if m.get("shape") is not None and d != "unknown":
+                    slot["bytes"] += _nbytes(d, m["shape"])
+                if tensors:
+                    all_tensors.append(dict(m, shard=rel))
+    out["scheduler"] = _small_file(tagdir, layout.SCHEDULER_FILE, trusted, reader)
+    out["user_content"] = _small_file(tagdir, layout.USER_CONTENT_FILE, trusted, reader)
+    if tensors:
+        out["tensors"] = all_tensors
+    return out
+
+
+def format_bytes(n: Optional[int]) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def format_list(rows: List[dict]) -> str:
+    if not rows:
+        return "no checkpoints"
+    head = ["TAG", "STATUS", "SIZE", "FILES", "WRITTEN (UTC)", "TP", "PP", "DP", "ZERO1", "XSER"]
+    body = []
+    for r in rows:
+        body.append([r["tag"], r["status"], format_bytes(r["size"]), str(r["files"]),
+                     (r["written_at"] or "-").replace("+00:00", ""), _s(r["tp"]), _s(r["pp"]), _s(r["dp"]),
+                     _yn(r["zero1"]), _yn(r["xser"])])
+    lines = _table(head, body)
+    for r in rows:
+        if r.get("problem"):
+            lines.append(f"  {r['tag']}: {r['problem']}")
+    return "\n".join(lines)
+
+
+def _s(v) -> str:
+    return "?" if v is None else str(v)
+
+
+def _yn(v) -> str:
+    return "?" if v is None else ("yes" if v else "no")
+
+
+def _table(head: List[str], body: List[List[str]]) -> List[str]:
+    widths = [max(len(str(x)) for x in col) for col in zip(head, *body)]
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+    return [fmt.format(*head).rstrip()] + [fmt.format(*row).rstrip() for row in body]
+
+
+def format_describe(d: dict) -> str:
+    t = d["topology"]
+    lines = [
+        f"tag:        {d['tag']}  ({d['path']})",
+        f"status:     {d['status']}" + (f"  ({d['problem']})" if d.get("problem") else ""),
+        f"format:     {d['format']}" + (f" {d['library_version']}" if d.get("library_version") else ""),
+        f"written:    {d['written_at'] or '-'}",
+        "topology:   " + "  ".join(f"{k}={_s(t.get(k))}" for k in ("world_size", "tp", "pp", "dp", "cp", "ep")),
+        f"zero1:      {_yn(d['zero1'])}    xser: {_yn(d['xser'])}",
+        f"size:       {format_bytes(d['total_bytes'])} in {d['total_files']} files",
+        f"tensors:    {d['tensor_count']}  " + ", ".join(
+            f"{k}: {v['count']} ({format_bytes(v['bytes'])})" for k, v in sorted(d["dtypes"].items())),
+        "",
+    ]
+    body = [[s["file"], str(s["dp"]), str(s["tp"]), str(s["pp"]), str(s["tensors"]), str(s["files"]),
+             format_bytes(s["bytes"])] for s in d["shards"]]
+    lines += _table(["SHARD", "DP", "TP", "PP", "TENSORS", "FILES", "SIZE"], body) if body else ["no shard files"]
+    for e in d["errors"]:
+        lines.append(f"  {e['file']}: {e['error']}")
+    for name in ("scheduler", "user_content"):
+        s = d.get(name)
+        if s is None:
+            lines.append(f"{name}: none")
+        elif "error" in s:
+            lines.append(f"{name}: {s['error']}")
+        elif "keys" in s:
+            lines.append(f"{name}: keys {', '.join(s['keys']) or '(empty dict)'}")
+        else:
+            lines.append(f"{name}: a {s['type']}")
+    if "tensors" in d:
+        lines.append("")
+        body = [[m["shard"], m.get("key", ""), _s(m.get("dtype")),
+                 _shape(m.get("shape")),
+                 _partition(m)] for m in d["tensors"]]
+        lines += _table(["SHARD", "NAME", "DTYPE", "SHAPE", "PARTITION"], body)
+    return "\n".join(lines)
+
+
+def _shape(shape) -> str:
+    if shape is None:
+        return "?"
+    return "x".join(str(x) for x in shape) if len(shape) else "scalar"
+
+
+def _partition(m: dict) -> str:
+    if not m.get("tensor_model_parallel"):
+        return "-"
+    s = f"dim {m.get('partition_dim', 0)}"
+    if m.get("partition_stride", 1) != 1:
+        s += f" stride {m['partition_stride']}"
+    return s
+
+
+__all__ = ["list_tags", "describe", "tag_summary", "derived_topology", "format_list", "format_describe",
+           "format_bytes"]
+

@@ -1,0 +1,331 @@
+"""load_checkpoint's work: pick the tag, check it fits this job, read (reader.py), check, apply.
+
+Every rank calls load_checkpoint. The read phase ends with an agreement over the host gloo group, so a
+damaged file seen by one rank makes every rank skip that tag (tag=None) or raise (explicit tag)
+together, before any state has changed. The model is applied before the optimizer.
+"""
+from __future__ import annotations
+
+import fnmatch
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, Dict, List, Optional, Sequence, Union
+
+import torch
+
+from . import commit, errors, hostgroups, layout
+from .errors import (CheckpointNotFoundError, CorruptCheckpointError, StateMismatchError,
+                     TopologyMismatchError)
+from .plan import model_filename, optim_filename, replica_groups
+from .reader import FileReader, read_shard, resolve, share_shard
+from .storage import Storage
+from .world import World
+
+log = logging.getLogger("nxd_ckpt")
+
+IgnoreKeys = Union[None, str, Sequence[str], Callable[[dict], Optional[dict]]]
+
+
+# --- which tag -------------------------------------------------------------------------------------
+def candidate_tags(storage: Storage, tag) -> List[str]:
+    """The tags to try, in order: the explicit one, or every complete tag newest first."""
+    if tag is not None:
+        tag = layout.validate_tag(tag)
+        if not storage.exists(f"{tag}/{layout.DONE_MARKER}"):
+            available = commit.complete_tags(storage)
+            if storage.isdir(tag):
+                from .errors import IncompleteCheckpointError
+
+                raise IncompleteCheckpointError(
+                    f"checkpoint {tag!r} in {storage.root} has no 'done' marker: its save never finished. "
+                    f"Complete checkpoints: {available or 'none'}; pass one of them or tag=None for the newest")
+            raise CheckpointNotFoundError(
+                f"no checkpoint {tag!r} in {storage.root}. Complete checkpoints, newest first: "
+                f"{available or 'none'}")
+        return [tag]
+    tags = commit.complete_tags(storage)
+    if not tags:
+        raise CheckpointNotFoundError(
+            f"no complete checkpoint in {storage.root} (no tag directory with a 'done' marker); "
+            "check the path, or start training from scratch when has_checkpoint() is False")
+    return tags
+
+
+# --- topology ------------------------------------------------------------------------------------
+def saved_topology(storage: Storage, tag: str, manifest: Optional[dict]) -> dict:
+    """tp/pp/ep/dp/zero1/xser of a saved checkpoint: from the manifest, else from the file names."""
+    if manifest is not None:
+        t = dict(manifest["topology"])
+        t.update(zero1=manifest["zero1"], xser=manifest["xser"])
+        t["zero1_shards"] = t["dp"] // t.get("ep", 1)
+        return t
+    model = layout.list_shard_files(storage.path(f"{tag}/{layout.MODEL_DIR}")) if hasattr(storage, "path") else {}
+    optim = layout.list_shard_files(storage.path(f"{tag}/{layout.OPTIM_DIR}")) if hasattr(storage, "path") else {}
+    names = list(model) + list(optim)
+    zero1 = any(s.dp >= 1 for s in optim)
+    t = {
+        "tp": 1 + max((s.tp for s in names), default=0),
+        "pp": 1 + max((s.pp for s in names), default=0),
+        "ep": 1 + max((s.ep or 0 for s in names), default=0),
+        "dp": None,
+        "zero1_shards": (1 + max(s.dp for s in optim)) if zero1 else None,
+        "zero1": zero1,
+        "xser": layout.folder_is_xser(storage.path(f"{tag}/{layout.MODEL_DIR}"))
+        or layout.folder_is_xser(storage.path(f"{tag}/{layout.OPTIM_DIR}")),
+    }
+    return t
+
+
+def check_topology(tag: str, saved: dict, world: World, loading_optim: bool) -> None:
+    topo = world.topology
+    problems = []
+    for k in ("tp", "pp", "ep"):
+        if saved.get(k, 1) != getattr(topo, k):
+            problems.append(k)
+    dp_now = topo.edp if topo.ep > 1 else topo.dp
+    if loading_optim and saved.get("zero1") and saved.get("zero1_shards") not in (None, dp_now):
+        problems.append("dp")
+    if not problems:
+        return
+    s_dp = saved.get("dp") or saved.get("zero1_shards") or "?"
+    was = f"TP={saved.get('tp')} PP={saved.get('pp')} DP={s_dp}" + (f" EP={saved['ep']}" if saved.get("ep", 1) > 1 else "")
+    now = f"TP={topo.tp} PP={topo.pp} DP={topo.dp}" + (f" EP={topo.ep}" if topo.ep > 1 else "")
+    hint = ("TP, PP and EP must match to load; " if set(problems) - {"dp"} else "")
+    if "dp" in problems:
+        hint += ("a ZeRO-1 optimizer state is sharded over DP: reshard it with `nxd-ckpt convert-zero1 "
+                 f"--input_dir <dir>/{tag} --output_dir <dir>/<new_tag> --convert_to_sharded --dp_size {dp_now}` "
+                 "(or load the model only)")
+    else:
+        hint += "relaunch with the saved TP/PP sizes"
+    raise TopologyMismatchError(
+        f"checkpoint {tag!r} was saved at {was}{' with ZeRO-1' if saved.get('zero1') else ''} and this job runs "
+        f"{now} ({', '.join(p.upper() for p in problems)} differ{'s' if len(problems) == 1 else ''}). {hint}.")
+
+
+# --- read ----------------------------------------------------------------------------------------
+def agree(error: Optional[BaseException]) -> None:
+    """Every rank: exchange this rank's error (or None) over the host group; if any rank failed, raise
+    on every rank -- this rank's own error, or the first failing rank's, re-created with its class."""
+    status = None if error is None else (type(error).__name__, str(error), getattr(error, "path", None))
+    statuses = hostgroups.all_gather_objects(status)
+    bad = [(r, s) for r, s in enumerate(statuses) if s is not None]
+    if not bad:
+        return
+    if error is not None:
+        raise error
+    r, (cls_name, msg, path) = bad[0]
+    cls = getattr(errors, cls_name, None)
+    if not (isinstance(cls, type) and issubclass(cls, errors.CheckpointError)):
+        cls = errors.CheckpointError
+    if cls is CorruptCheckpointError:
+        raise CorruptCheckpointError(f"rank {r}: {msg}", path=path)
+    raise cls(f"rank {r}: {msg}")
+
+
+def read_tag(storage: Storage, tag: str, world: World, *, want_model: bool, want_optim: bool,
+             want_scheduler: bool, num_workers: int, trusted: bool) -> dict:
+    """Every rank: read this rank's state of ``tag`` into host memory, verified. If any rank fails
+    (damage, missing shard, topology), every rank raises, after agreeing; nothing has been changed."""
+    state: Dict[str, object] = {}
+    error: Optional[BaseException] = None
+    try:
+        manifest = commit.read_manifest(storage, tag)
+        saved = saved_topology(storage, tag, manifest)
+        check_topology(tag, saved, world, want_optim)
+        reader = FileReader(storage, tag, manifest, trusted)
+        state = _read_parts(reader, saved, world, want_model, want_optim, want_scheduler, num_workers)
+        state["manifest"], state["saved"] = manifest, saved
+    except ValueError as exc:
+        error = CorruptCheckpointError(f"checkpoint {tag!r}: manifest unreadable: {exc}")
+    except Exception as exc:  # noqa: BLE001 - every failure must be agreed on before anyone raises
+        error = exc
+    agree(error)
+    _share(state, world)
+    return state
+
+
+def _read_parts(reader: FileReader, saved: dict, world: World, want_model: bool, want_optim: bool,
+                want_scheduler: bool, num_workers: int) -> dict:
+    topo = world.topology
+    out: Dict[str, object] = {}
+    cooperative = world.distributed and world.world_size > 1
+    with ThreadPoolExecutor(max_workers=max(1, num_workers)) as pool:
+        if want_model:
+            name = model_filename(topo, world.rank)
+            rel = f"{layout.MODEL_DIR}/{name}"
+            _require(reader, rel, "model")
+            groups = replica_groups(topo, lambda r: model_filename(topo, r))
+            out["model"] = read_shard(reader, rel, groups[name], world.rank, pool, cooperative)
+            out["model_groups"] = list(groups.values())
+        if want_optim:
+            zero1 = bool(saved.get("zero1"))
+            name = optim_filename(topo, world.rank, zero1)
+            rel = f"{layout.OPTIM_DIR}/{name}"
+            _require(reader, rel, "optimizer")
+            groups = replica_groups(topo, lambda r: optim_filename(topo, r, zero1))
+            out["optim"] = read_shard(reader, rel, groups[name], world.rank, pool, cooperative)
+            out["optim_groups"] = list(groups.values())
+    if want_scheduler:
+        if not reader.exists(layout.SCHEDULER_FILE):
+            raise StateMismatchError(f"checkpoint {reader.tag!r} has no {layout.SCHEDULER_FILE}; "
+                                     "call load_checkpoint without scheduler=")
+        out["scheduler"] = reader.load_pickle(layout.SCHEDULER_FILE)
+    if reader.exists(layout.USER_CONTENT_FILE):
+        out["user_content"] = reader.load_pickle(layout.USER_CONTENT_FILE)
+    return out
+
+
+def _require(reader: FileReader, rel: str, what: str) -> None:
+    if not reader.exists(rel):
+        raise StateMismatchError(
+            f"checkpoint {reader.tag!r} has no {what} shard {rel} for this rank; it was saved without a {what} "
+            f"or at another parallel layout; call load_checkpoint without {'model' if what == 'model' else 'optimizer'}=")
+
+
+def _share(state: dict, world: World) -> None:
+    for part in ("model", "optim"):
+        if part not in state:
+            continue
+        shard = state[part]
+        groups = hostgroups.replica_host_groups(state[f"{part}_groups"]) if world.distributed else {}
+        if len(shard.replicas) > 1:
+            share_shard(shard, groups[tuple(sorted(shard.replicas))])
+        state[part] = resolve(shard)
+
+
+# --- check and apply -------------------------------------------------------------------------------
+def _matches(key: str, patterns: Sequence[str]) -> bool:
+    return any(fnmatch.fnmatchcase(key, p) for p in patterns)
+
+
+def apply_ignore_keys(state: dict, ignore_keys: IgnoreKeys) -> List[str]:
+    """Drop ignored entries in place; return the patterns (for strict checks). A callable edits the
+    state dict {'model':..., 'optim':...} and may return a replacement."""
+    if ignore_keys is None:
+        return []
+    if callable(ignore_keys):
+        view = {k: state[k] for k in ("model", "optim") if k in state}
+        new = ignore_keys(view)
+        if new is not None:
+            view = new
+        for k in ("model", "optim"):
+            if k in view:
+                state[k] = view[k]
+        return []
+    patterns = [ignore_keys] if isinstance(ignore_keys, str) else list(ignore_keys)
+    if "model" in state and isinstance(state["model"], dict):
+        state["model"] = {k: v for k, v in state["model"].items() if not _matches(f"model/{k}", patterns)}
+    if "optim" in state and isinstance(state["optim"], dict):
+        state["optim"] = _drop_paths(state["optim"], "optim", patterns)
+    return patterns
+
+
+def _drop_paths(obj, prefix: str, patterns):
+    if isinstance(obj, dict):
+        return type(obj)((k, _drop_paths(v, f"{prefix}/{k}", patterns)) for k, v in obj.items()
+                         if not _matches(f"{prefix}/{k}", patterns))
+    return obj
+
+
+def check_model(model, sd: dict, strict: bool, patterns: List[str]) -> None:
+    if not strict or not isinstance(model, torch.nn.Module):
+        return
+    want = {k for k in model.state_dict().keys() if not _matches(f"model/{k}", patterns)}
+    have = set(sd.keys())
+    missing, unexpected = sorted(want - have), sorted(have - want)
+    if missing or unexpected:
+        raise StateMismatchError(
+            "the checkpoint's model keys do not match the model (strict=True): "
+            f"missing from checkpoint: {missing or 'none'}; unexpected in checkpoint: {unexpected or 'none'}. "
+            "Pass strict=False to load the overlap, or ignore_keys=['model/<pattern>'] to skip keys.")
+
+
+def is_zero1_target(optimizer) -> bool:
+    if isinstance(optimizer, dict):
+        return "base_state" in optimizer and "shape_info" in optimizer
+    if type(optimizer).__name__ in ("ZeroRedundancyOptimizer", "NeuronZero1Optimizer"):
+        return True
+    try:
+        sd = optimizer.state_dict()
+    except Exception:  # noqa: BLE001 - an optimizer that cannot produce a state dict is not ZeRO-1
+        return False
+    return isinstance(sd, dict) and "base_state" in sd and "shape_info" in sd
+
+
+def check_optimizer(optimizer, osd, saved_zero1: bool, tag: str) -> None:
+    if optimizer is None:
+        return
+    target_zero1 = is_zero1_target(optimizer)
+    if isinstance(optimizer, dict) and not optimizer:
+        target_zero1 = saved_zero1   # an empty dict accepts either
+    if saved_zero1 and not target_zero1:
+        raise StateMismatchError(
+            f"checkpoint {tag!r} holds ZeRO-1 (DP-sharded) optimizer state but the optimizer is a plain "
+            f"{type(optimizer).__name__}: load it into a ZeRO-1 optimizer, or merge it with `nxd-ckpt convert-zero1 "
+            "--convert_to_full` first, or call load_checkpoint without optimizer=")
+    if target_zero1 and not saved_zero1:
+        raise StateMismatchError(
+            f"checkpoint {tag!r} holds a plain (replicated) optimizer state but the optimizer is ZeRO-1 "
+            f"({type(optimizer).__name__}); load it into a plain optimizer or call load_checkpoint without optimizer=")
+    if not isinstance(optimizer, dict) and hasattr(optimizer, "param_groups") and "param_groups" in osd:
+        have = [len(g["params"]) for g in osd["param_groups"]]
+        want = [len(g["params"]) for g in optimizer.param_groups]
+        if have != want:
+            raise StateMismatchError(
+                f"checkpoint {tag!r} optimizer has param groups of sizes {have}, the optimizer has {want}; "
+                "build the optimizer over the same parameters as when saving")
+
+
+def apply_model(model, sd: dict, strict: bool) -> None:
+    if isinstance(model, dict):
+        for k, v in sd.items():
+            model[k] = _place_like(v, model.get(k))
+        return
+    targets = model.state_dict()
+    placed = _to_devices({k: v for k, v in sd.items() if k in targets}, targets)
+    sd = dict(sd, **placed)
+    model.load_state_dict(sd, strict=False)
+
+
+def apply_optimizer(optimizer, osd) -> None:
+    if isinstance(optimizer, dict):
+        for k, v in osd.items():
+            optimizer[k] = _place_like(v, optimizer.get(k))
+        return
+    optimizer.load_state_dict(osd)
+
+
+def _place_like(loaded, existing):
+    """Move loaded tensors onto the device (and dtype) of the tensor they replace, recursively."""
+    if isinstance(loaded, torch.Tensor) and isinstance(existing, torch.Tensor):
+        if existing.device != loaded.device or existing.dtype != loaded.dtype:
+            return loaded.to(device=existing.device, dtype=existing.dtype)
+        return loaded
+    if isinstance(loaded, dict) and isinstance(existing, dict):
+        return type(loaded)((k, _place_like(v, existing.get(k))) for k, v in loaded.items())
+    if isinstance(loaded, (list, tuple)) and isinstance(existing, (list, tuple)) and len(loaded) == len(existing):
+        return type(loaded)(_place_like(a, b) for a, b in zip(loaded, existing)) if not hasattr(loaded, "_fields") \
+            else type(loaded)(*(_place_like(a, b) for a, b in zip(loaded, existing)))
+    return loaded
+
+
+def _to_devices(sd: Dict[str, torch.Tensor], targets: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """Host tensors moved to their targets' devices and dtypes; XLA transfers batched per device."""
+    by_device: Dict[torch.device, List[str]] = {}
+    out = {}
+    for k, v in sd.items():
+        t = targets[k]
+        if not isinstance(v, torch.Tensor):
+            continue
+        v = v.to(dtype=t.dtype) if v.dtype != t.dtype else v
+        if t.device.type == "xla":
+            by_device.setdefault(t.device, []).append(k)
+            out[k] = v
+        else:
+            out[k] = v
+    for dev, keys in by_device.items():
+        import torch_xla.core.xla_model as xm
+
+        moved = xm.send_cpu_data_to_device([out[k] for k in keys], dev)
+        out.update(zip(keys, moved))
+    return out

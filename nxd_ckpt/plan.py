@@ -1,0 +1,142 @@
+"""Which tensors this rank writes, to which files. Pure: moves no bytes, talks to no one.
+
+Every rank computes the same plan from the topology, so replicas of a DP-replicated shard agree on
+who writes what without exchanging a message: the tensors of a shard are spread over its replicas
+largest-first onto the least-loaded replica, and the first replica writes the ref and info files.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence
+
+import torch
+
+from parallel_state.topology import Topology
+
+from . import layout
+
+
+def assign_to_bins(sizes: Sequence[int], bins: int) -> List[List[int]]:
+    """Indices of ``sizes`` split into ``bins`` lists with near-equal totals (largest first, to the
+    least-loaded bin, lowest bin index on ties). Deterministic, so every replica computes the same split."""
+    if bins < 1:
+        raise ValueError("bins must be >= 1")
+    out: List[List[int]] = [[] for _ in range(bins)]
+    load = [0] * bins
+    order = sorted(range(len(sizes)), key=lambda i: (-sizes[i], i))
+    for i in order:
+        b = min(range(bins), key=lambda k: (load[k], k))
+        out[b].append(i)
+        load[b] += sizes[i]
+    for b in out:
+        b.sort()
+    return out
+
+
+def tensor_nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def model_filename(topo: Topology, rank: int) -> str:
+    c = topo.coords(rank)
+    ep = topo.expert_coords(rank).ep if topo.ep > 1 else None
+    return layout.shard_filename(0, c.tp, c.pp, ep)
+
+
+def optim_filename(topo: Topology, rank: int, zero1: bool) -> str:
+    if not zero1:
+        return model_filename(topo, rank)
+    if topo.ep > 1:
+        e = topo.expert_coords(rank)
+        return layout.shard_filename(e.edp, e.tp, e.pp, e.ep)
+    c = topo.coords(rank)
+    return layout.shard_filename(c.dp, c.tp, c.pp)
+
+
+def replica_groups(topo: Topology, name_of) -> Dict[str, List[int]]:
+    """Map file name -> sorted global ranks that hold identical content for it (they share the name)."""
+    groups: Dict[str, List[int]] = {}
+    for r in range(topo.world_size):
+        groups.setdefault(name_of(r), []).append(r)
+    return groups
+
+
+@dataclass
+class ShardPlan:
+    """One shard file (model/ or optim/) as seen from one rank."""
+
+    folder: str                    # "model" or "optim"
+    filename: str                  # dp_rank_.._tp_rank_.._pp_rank_...pt
+    replicas: List[int]            # global ranks with identical content, sorted
+    my_index: int                  # this rank's position in replicas
+    ref_bytes: bytes               # the pickled ref data, captured at call time
+    tensors: List[torch.Tensor]    # by tid (device or host); only my_tids are staged
+    my_tids: List[int]
+    tensor_meta: Dict[int, dict] = field(default_factory=dict)
+    xser: bool = True
+
+    @property
+    def relpath(self) -> str:
+        return f"{self.folder}/{self.filename}"
+
+    @property
+    def writes_ref(self) -> bool:
+        return self.my_index == 0
+
+    def my_bytes(self) -> int:
+        if not self.xser:
+            return sum(tensor_nbytes(t) for t in self.tensors) if self.writes_ref else 0
+        return sum(tensor_nbytes(self.tensors[i]) for i in self.my_tids)
+
+
+def plan_shard(folder: str, filename: str, replicas: List[int], rank: int, ref_bytes: bytes,
+               tensors: List[torch.Tensor], tensor_meta: Dict[int, dict], xser: bool) -> ShardPlan:
+    """This rank's share of one shard: with xser its bin of tensor files; without, all or nothing."""
+    my_index = replicas.index(rank)
+    if xser:
+        bins = assign_to_bins([tensor_nbytes(t) for t in tensors], len(replicas))
+        my_tids = bins[my_index]
+    else:
+        my_tids = list(range(len(tensors))) if my_index == 0 else []
+    return ShardPlan(folder, filename, replicas, my_index, ref_bytes, tensors, my_tids, tensor_meta, xser)
+
+
+@dataclass
+class SavePlan:
+    """Everything one rank writes for one checkpoint."""
+
+    shards: List[ShardPlan]
+    small_files: Dict[str, bytes]          # relpath -> bytes (scheduler.pt, user_content.pt), rank 0
+    topology: Topology
+    zero1: bool
+    xser: bool
+    has_model: bool
+    has_optim: bool
+
+    def staged_tensors(self) -> List[torch.Tensor]:
+        """The tensors this rank must copy to host, in write order."""
+        out = []
+        for s in self.shards:
+            out.extend(s.tensors[i] for i in s.my_tids)
+        return out
+
+    def staged_bytes(self) -> int:
+        return sum(s.my_bytes() for s in self.shards)
+
+
+def files_of_shard(relpath: str, num_tensors: int, xser: bool) -> List[str]:
+    """Every file a complete shard consists of (relative to the tag directory)."""
+    if not xser:
+        return [relpath]
+    return [relpath, layout.info_path(relpath)] + [layout.tensor_path(relpath, t) for t in range(num_tensors)]
+
+
+def partition_info(tensor: torch.Tensor) -> Optional[dict]:
+    """NxD's tensor-parallel partition attributes of a parameter, or None when it has none."""
+    if not getattr(tensor, "tensor_model_parallel", False):
+        return None
+    return {
+        "tensor_model_parallel": True,
+        "partition_dim": int(getattr(tensor, "partition_dim", 0)),
+        "partition_stride": int(getattr(tensor, "partition_stride", 1)),
+    }

@@ -1,0 +1,167 @@
+"""Read one checkpoint's files for this rank into host memory, verifying every byte read.
+
+No state is changed here: the result is a plain dict that loader.py checks and applies. Tensor files
+of a DP-replicated shard are split among its replicas (the same largest-first split the save used);
+each replica reads its share, verifies it against the manifest, and the share is broadcast to the
+other replicas over a host-side gloo group.
+"""
+from __future__ import annotations
+
+import io
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+import crc32c as _crc32c
+import torch
+
+import xser
+
+from . import hostgroups, layout
+from .errors import CorruptCheckpointError
+from .plan import assign_to_bins
+from .storage import Storage
+
+log = logging.getLogger("nxd_ckpt")
+
+
+@dataclass
+class FileReader:
+    """Reads files of one tag, checking size and CRC32C against the manifest when there is one."""
+
+    storage: Storage
+    tag: str
+    manifest: Optional[dict]
+    trusted: bool = False
+
+    def read(self, relpath: str) -> bytes:
+        full = f"{self.tag}/{relpath}"
+        if not self.storage.exists(full):
+            raise CorruptCheckpointError(
+                f"checkpoint {self.tag!r} is marked complete but {full} is missing", path=full)
+        data = self.storage.read_bytes(full)
+        if self.manifest is not None:
+            self._verify(relpath, full, data)
+        return data
+
+    def _verify(self, relpath: str, full: str, data: bytes) -> None:
+        entry = self.manifest["files"].get(relpath)
+        if entry is None:
+            raise CorruptCheckpointError(f"{full} is not listed in the manifest of {self.tag!r}", path=full)
+        if len(data) != entry["size"]:
+            raise CorruptCheckpointError(
+                f"{full} has {len(data)} bytes, the manifest says {entry['size']} (truncated or overwritten)",
+                path=full, expected=str(entry["size"]), found=str(len(data)))
+        found = f"{_crc32c.crc32c(data):08x}"
+        if found != entry["crc32c"]:
+            raise CorruptCheckpointError(
+                f"{full} fails its checksum: expected crc32c {entry['crc32c']}, found {found}",
+                path=full, expected=entry["crc32c"], found=found)
+
+    def exists(self, relpath: str) -> bool:
+        if self.manifest is not None:
+            return relpath in self.manifest["files"]
+        return self.storage.exists(f"{self.tag}/{relpath}")
+
+    def load_pickle(self, relpath: str):
+        data = self.read(relpath)
+        try:
+            return xser.load_refs(io.BytesIO(data), trusted=self.trusted, name=f"{self.tag}/{relpath}")
+        except xser.UnsafeCheckpointError:
+            raise
+        except xser.XserError as exc:
+            raise CorruptCheckpointError(str(exc), path=f"{self.tag}/{relpath}") from exc
+
+    def load_tensor(self, relpath: str) -> torch.Tensor:
+        data = self.read(relpath)
+        try:
+            return xser.read_tensor(io.BytesIO(data), trusted=self.trusted)
+        except xser.UnsafeCheckpointError:
+            raise
+        except (xser.XserError, RuntimeError, EOFError) as exc:
+            raise CorruptCheckpointError(f"{self.tag}/{relpath}: {exc}", path=f"{self.tag}/{relpath}") from exc
+
+
+def collect_tids(ref_data) -> List[int]:
+    tids = set()
+
+    def walk(obj):
+        if isinstance(obj, xser.TensorReference):
+            tids.add(obj.tid)
+        elif isinstance(obj, dict):
+            for k, v in obj.items():
+                walk(k)
+                walk(v)
+        elif isinstance(obj, (list, tuple, set, frozenset)):
+            for v in obj:
+                walk(v)
+        elif hasattr(obj, "__dict__") and not isinstance(obj, type):
+            for v in vars(obj).values():
+                walk(v)
+
+    walk(ref_data)
+    return sorted(tids)
+
+
+@dataclass
+class ShardRead:
+    """Phase one of reading a shard: the ref data and the tensors this rank read itself."""
+
+    relpath: str
+    ref_data: object
+    tids: List[int]
+    owner_of: Dict[int, int]                     # tid -> global rank that reads it
+    info: Optional[dict]
+    tensors: Dict[int, torch.Tensor] = field(default_factory=dict)
+    replicas: List[int] = field(default_factory=list)
+
+
+def read_shard(reader: FileReader, relpath: str, replicas: List[int], rank: int, pool: ThreadPoolExecutor,
+               cooperative: bool) -> ShardRead:
+    """Read the ref (and info) of a shard and this rank's share of its tensors (all of them when the
+    replicas cannot cooperate: no info file, or no process group)."""
+    ref_data = reader.load_pickle(relpath)
+    tids = collect_tids(ref_data)
+    info = None
+    if tids and reader.exists(layout.info_path(relpath)):
+        info = reader.load_pickle(layout.info_path(relpath))
+    if cooperative and info is not None and len(replicas) > 1 and all(t in info for t in tids):
+        sizes = [_info_nbytes(info[t]) for t in tids]
+        bins = assign_to_bins(sizes, len(replicas))
+        owner_of = {tids[i]: replicas[b] for b, idxs in enumerate(bins) for i in idxs}
+    else:
+        owner_of = {t: rank for t in tids}
+        replicas = [rank]
+    mine = [t for t in tids if owner_of[t] == rank]
+    loaded = pool.map(lambda t: reader.load_tensor(layout.tensor_path(relpath, t)), mine)
+    tensors = dict(zip(mine, loaded))
+    return ShardRead(relpath, ref_data, tids, owner_of, info, tensors, replicas)
+
+
+def _info_nbytes(entry: dict) -> int:
+    n = 1
+    for d in entry["shape"]:
+        n *= int(d)
+    return n * torch.empty((), dtype=entry["dtype"]).element_size()
+
+
+def share_shard(shard: ShardRead, group) -> None:
+    """Phase two: every replica receives the tensors it did not read, from their readers."""
+    if len(shard.replicas) <= 1:
+        return
+    for tid in shard.tids:
+        src = shard.owner_of[tid]
+        if tid in shard.tensors:
+            t = shard.tensors[tid].contiguous()
+            shard.tensors[tid] = t
+        else:
+            e = shard.info[tid]
+            t = torch.empty(tuple(e["shape"]), dtype=e["dtype"])
+            shard.tensors[tid] = t
+        hostgroups.broadcast_tensor(t, src, group)
+
+
+def resolve(shard: ShardRead):
+    """The shard's data with every reference replaced by its tensor."""
+    return xser.from_refs(shard.ref_data, shard.tensors.__getitem__)

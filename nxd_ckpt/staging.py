@@ -1,0 +1,123 @@
+"""Device -> host snapshot into bounded host memory.
+
+The training thread blocks here, and only here, during an async save: one batched transfer of this
+rank's planned XLA tensors (``torch_xla._XLAC._xla_get_cpu_tensors``, which also materialises pending
+graphs), host-tensor copies for CPU tensors (Adam's ``step``). A HostBudget bounds the bytes held by
+snapshots that are not yet written; a snapshot larger than what is free waits for writers to release.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import List, Sequence
+
+import torch
+
+log = logging.getLogger("nxd_ckpt")
+
+
+def is_xla(t: torch.Tensor) -> bool:
+    return t.device.type == "xla"
+
+
+def default_host_budget(local_world_size: int) -> int:
+    """Half of the host's available RAM shared by the ranks of this node, at least 256 MiB."""
+    import psutil
+
+    avail = psutil.virtual_memory().available
+    return max(256 << 20, int(avail * 0.5) // max(1, local_world_size))
+
+
+class HostBudget:
+    """A byte-counting semaphore for host memory held by snapshots awaiting their write."""
+
+    def __init__(self, capacity: int):
+        if capacity <= 0:
+            raise ValueError(f"host memory budget must be positive, got {capacity}")
+        self.capacity = int(capacity)
+        self.used = 0
+        self._cond = threading.Condition()
+
+    def acquire(self, nbytes: int, timeout: float) -> float:
+        """Take ``nbytes``; block until free. A request above capacity waits for an empty budget and is
+        then granted alone. Returns the seconds waited; raises TimeoutError after ``timeout``."""
+        start = time.monotonic()
+        need = min(nbytes, self.capacity)
+        with self._cond:
+            ok = self._cond.wait_for(lambda: self.capacity - self.used >= need, timeout=timeout)
+            if not ok:
+                raise TimeoutError(
+                    f"waited {timeout:.0f}s for {nbytes} bytes of host staging memory "
+                    f"({self.used} of {self.capacity} still held by unfinished writes)"
+                )
+            self.used += nbytes
+        return time.monotonic() - start
+
+    def release(self, nbytes: int) -> None:
+        with self._cond:
+            self.used = max(0, self.used - nbytes)
+            self._cond.notify_all()
+
+    def free(self) -> int:
+        with self._cond:
+            return self.capacity - self.used
+
+
+def copy_to_host(tensors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+    """Host copies of ``tensors`` (same order): XLA tensors in one batched transfer, CPU tensors cloned
+    compactly (a view of a large storage becomes a tensor of its own bytes)."""
+    out: List[torch.Tensor] = [None] * len(tensors)  # type: ignore[list-item]
+    xla_idx = [i for i, t in enumerate(tensors) if is_xla(t)]
+    if xla_idx:
+        for i, host in zip(xla_idx, _xla_to_cpu([tensors[i] for i in xla_idx])):
+            out[i] = host
+    for i, t in enumerate(tensors):
+        if out[i] is None:
+            out[i] = t.detach().clone(memory_format=torch.contiguous_format)
+    return out
+
+
+def _xla_to_cpu(tensors: List[torch.Tensor]) -> List[torch.Tensor]:
+    import torch_xla
+
+    get_cpu = getattr(getattr(torch_xla, "_XLAC", None), "_xla_get_cpu_tensors", None)
+    if get_cpu is None:  # older or newer torch-xla without the batched call
+        return [t.detach().cpu() for t in tensors]
+    return list(get_cpu([t.detach() for t in tensors]))
+
+
+def device_snapshot(tensors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+    """Snapshot XLA tensors on the device without a host copy: lazy clones that pin the current
+    (immutable) device buffers, launched asynchronously. CPU tensors are cloned on the host.
+    Costs device memory equal to the snapshot until the background moves it to host."""
+    out = []
+    xla = []
+    for t in tensors:
+        if is_xla(t):
+            c = t.detach().clone()
+            xla.append(c)
+            out.append(c)
+        else:
+            out.append(t.detach().clone(memory_format=torch.contiguous_format))
+    if xla:
+        import torch_xla
+
+        torch_xla._XLAC._xla_sync_multi(xla, devices=[], wait=False, sync_xla_data=False)
+    return out
+
+
+def chunk_by_bytes(nbytes: Sequence[int], limit: int) -> List[List[int]]:
+    """Consecutive index groups whose byte totals stay within ``limit`` (an oversize item stands alone)."""
+    chunks: List[List[int]] = []
+    cur: List[int] = []
+    total = 0
+    for i, n in enumerate(nbytes):
+        if cur and total + n > limit:
+            chunks.append(cur)
+            cur, total = [], 0
+        cur.append(i)
+        total += n
+    if cur:
+        chunks.append(cur)
+    return chunks

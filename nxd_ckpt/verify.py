@@ -1,0 +1,435 @@
+"""Offline verification of checkpoint tags, and a checksum-checking reader the other offline tools share.
+
+A tag written by nxd-ckpt has a manifest listing every file with its size and CRC32C: verifying it means
+re-reading every byte. A tag written by neuronx-distributed has no manifest: the best we can do is check
+that it is marked complete (`done`), that every file named by its ref pickles exists, and that every
+tensor file opens.
+"""
+from __future__ import annotations
+
+import io
+import json
+import os
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Tuple
+
+import crc32c as _crc32c
+import torch
+
+import xser
+
+from . import layout
+from .errors import CheckpointError, CorruptCheckpointError
+
+READ_BLOCK = 8 << 20
+
+
+# --- reading with checks ---------------------------------------------------------------------------
+def load_manifest_file(tagdir: str) -> Optional[dict]:
+    """The tag's manifest, None when it has none; CorruptCheckpointError when it cannot be parsed."""
+    path = os.path.join(tagdir, layout.MANIFEST_FILE)
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path, "rb") as f:
+            data = json.loads(f.read())
+    except (OSError, ValueError) as exc:
+        raise CorruptCheckpointError(f"{path} is not readable JSON ({exc}); the tag's manifest is damaged",
+                                     path=path) from None
+    if not isinstance(data, dict) or data.get("format") != "nxd-ckpt-manifest" or not isinstance(
+            data.get("files"), dict):
+        raise CorruptCheckpointError(f"{path} is not an nxd-ckpt manifest", path=path)
+    return data
+
+
+def file_crc32c(path: str) -> Tuple[int, int]:
+    """(size, CRC32C) of a file, read in large blocks."""
+    crc, size = 0, 0
+    with open(path, "rb", buffering=0) as f:
+        while True:
+            block = f.read(READ_BLOCK)
+            if not block:
+                break
+            crc = _crc32c.crc32c(block, crc)
+            size += len(block)
+    return size, crc
+
+
+def check_bytes(relpath: str, data: bytes, entry: dict, where: str) -> None:
+    """Raise CorruptCheckpointError when ``data`` does not match the manifest ``entry``."""
+    if len(data) != entry["size"]:
+        raise CorruptCheckpointError(
+            f"{where} has {len(data)} bytes, the manifest says {entry['size']} (truncated or overwritten)",
+            path=where, expected=str(entry["size"]), found=str(len(data)))
+    found = f"{_crc32c.crc32c(data):08x}"
+    if found != entry["crc32c"]:
+        raise CorruptCheckpointError(
+            f"{where} fails its checksum: expected crc32c {entry['crc32c']}, found {found} (the file is damaged)",
+            path=where, expected=entry["crc32c"], found=found)
+
+
+class CheckedReader:
+    """Reads the files of one tag directory, checking each against the manifest when there is one.
+
+    Paths are relative to the tag directory. Errors name the file: CorruptCheckpointError for missing,
+    truncated, damaged or unreadable files; xser.UnsafeCheckpointError (from ref pickles that need
+    ``trusted=True``) is passed through.
+    """
+
+    def __init__(self, tagdir: str, manifest: Optional[dict] = None, trusted: bool = False):
+        self.tagdir = os.path.abspath(tagdir)
+        self.manifest = manifest
+        self.files: Dict[str, dict] = dict(manifest["files"]) if manifest else {}
+        self.trusted = trusted
+
+    def path(self, relpath: str) -> str:
+        return os.path.join(self.tagdir, relpath) if relpath else self.tagdir
+
+    def read(self, relpath: str) -> bytes:
+        where = self.path(relpath)
+        try:
+            with open(where, "rb") as f:
+                data = f.read()
+        except FileNotFoundError:
+            raise CorruptCheckpointError(f"{where} is missing", path=where) from None
+        entry = self.files.get(relpath)
+        if entry is not None:
+            check_bytes(relpath, data, entry, where)
+        return data
+
+    def check_file(self, relpath: str) -> None:
+        """Stream-check a (possibly large) file against the manifest without keeping it in memory."""
+        entry = self.files.get(relpath)
+        where = self.path(relpath)
+        if not os.path.isfile(where):
+            raise CorruptCheckpointError(f"{where} is missing", path=where)
+        if entry is None:
+            return
+        size, crc = file_crc32c(where)
+        if size != entry["size"]:
+            raise CorruptCheckpointError(
+                f"{where} has {size} bytes, the manifest says {entry['size']} (truncated or overwritten)",
+                path=where)
+        if f"{crc:08x}" != entry["crc32c"]:
+            raise CorruptCheckpointError(
+                f"{where} fails its checksum: expected crc32c {entry['crc32c']}, found {crc:08x}", path=where)
+
+    def refs(self, relpath: str):
+        """The ref pickle of a shard (TensorReferences, or inline tensors) loaded safely."""
+        data = self.read(relpath)
+        try:
+            return xser.load_refs(io.BytesIO(data), trusted=self.trusted, name=self.path(relpath))
+        except xser.UnsafeCheckpointError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - any unpickling failure means a damaged file
+            raise CorruptCheckpointError(f"{self.path(relpath)} cannot be read: {exc}",
+                                         path=self.path(relpath)) from exc
+
+    def plain(self, relpath: str, mmap: bool = True):
+        """A non-xser shard (one torch.save file), tensors memory-mapped when possible."""
+        self.check_file(relpath)
+        where = self.path(relpath)
+        try:
+            try:
+                return torch.load(where, map_location="cpu", weights_only=not self.trusted, mmap=mmap)
+            except RuntimeError as exc:
+                if mmap and "mmap" in str(exc):  # legacy (non-zip) format cannot be memory-mapped
+                    return torch.load(where, map_location="cpu", weights_only=not self.trusted)
+                raise
+        except Exception as exc:  # noqa: BLE001
+            if not self.trusted and "weights_only" in str(exc):
+                raise xser.UnsafeCheckpointError(
+                    f"{where} holds objects a safe load refuses; if you trust its origin pass --trusted "
+                    f"({str(exc).splitlines()[0]})") from None
+            raise CorruptCheckpointError(f"{where} cannot be read: {exc}", path=where) from exc
+
+    def tensor(self, relpath: str) -> torch.Tensor:
+        """One xser tensor file, checked."""
+        data = self.read(relpath)
+        try:
+            t = xser.read_tensor(io.BytesIO(data), trusted=self.trusted)
+        except xser.UnsafeCheckpointError:
+            raise
+        except Exception as exc:  # noqa: BLE001
+            raise CorruptCheckpointError(f"{self.path(relpath)} is not a readable tensor file: {exc}",
+                                         path=self.path(relpath)) from exc
+        if not isinstance(t, torch.Tensor):
+            raise CorruptCheckpointError(f"{self.path(relpath)} does not hold a tensor", path=self.path(relpath))
+        return t
+
+    def info(self, ref_relpath: str) -> Optional[dict]:
+        """The shard's ``.info.pt`` ({tid: {dtype, shape, ...}}), None when absent (older NxD)."""
+        rel = layout.info_path(ref_relpath)
+        if not os.path.isfile(self.path(rel)):
+            return None
+        data = self.read(rel)
+        try:
+            return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        except Exception as exc:  # noqa: BLE001
+            raise CorruptCheckpointError(f"{self.path(rel)} cannot be read: {exc}", path=self.path(rel)) from exc
+
+
+def walk_refs(obj, path=()):
+    """Yield (key path tuple, leaf) for every TensorReference or tensor in a nested structure."""
+    if xser.is_ref(obj) or isinstance(obj, torch.Tensor):
+        yield path, obj
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from walk_refs(v, path + (k,))
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            yield from walk_refs(v, path + (i,))
+
+
+def shard_refs(folder: str) -> List[str]:
+    """Names of the ref files (``dp_rank_*`` and ``full_*``) directly in ``folder``, sorted."""
+    if not os.path.isdir(folder):
+        return []
+    return sorted(n for n in os.listdir(folder)
+                  if layout.parse_shard_filename(n) is not None or layout.parse_full_filename(n) is not None)
+
+
+# --- verification ----------------------------------------------------------------------------------
+@dataclass
+class VerifyResult:
+    tag: str
+    path: str
+    ok: bool
+    kind: str                                    # "nxd-ckpt" (manifest) or "neuronx-distributed"
+    problems: List[Tuple[str, str]] = field(default_factory=list)   # (file relative to the tag, what)
+    notes: List[str] = field(default_factory=list)
+    files_checked: int = 0
+    bytes_checked: int = 0
+
+    def to_json(self) -> dict:
+        return {"tag": self.tag, "path": self.path, "ok": self.ok, "kind": self.kind,
+                "problems": [{"file": f, "problem": p} for f, p in self.problems], "notes": self.notes,
+                "files_checked": self.files_checked, "bytes_checked": self.bytes_checked}
+
+
+def _progress_bar(total: int, desc: str, progress: Optional[bool]):
+    show = sys.stderr.isatty() if progress is None else bool(progress)
+    if not show:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc, leave=False)
+
+
+def _check_one(tagdir: str, relpath: str, entry: dict) -> Optional[str]:
+    where = os.path.join(tagdir, relpath)
+    try:
+        size = os.path.getsize(where)
+    except FileNotFoundError:
+        return "missing"
+    except OSError as exc:
+        return f"cannot be read: {exc}"
+    if size != entry["size"]:
+        return f"has {size} bytes, the manifest says {entry['size']} (truncated or overwritten)"
+    try:
+        size, crc = file_crc32c(where)
+    except OSError as exc:
+        return f"cannot be read: {exc}"
+    if size != entry["size"]:
+        return f"has {size} bytes, the manifest says {entry['size']} (changed while being read)"
+    if f"{crc:08x}" != entry["crc32c"]:
+        return f"checksum mismatch: crc32c {crc:08x}, the manifest says {entry['crc32c']} (damaged)"
+    return None
+
+
+def _dir_is_managed(tagdir: str) -> bool:
+    """True when the parent directory is managed by nxd-ckpt: it has our `newest` pointer or another tag
+    with a manifest. A tag there whose manifest is missing has most likely lost it."""
+    parent = os.path.dirname(os.path.abspath(tagdir))
+    me = os.path.basename(os.path.abspath(tagdir))
+    if os.path.isfile(os.path.join(parent, layout.NEWEST_FILE)):
+        return True
+    try:
+        names = os.listdir(parent)
+    except OSError:
+        return False
+    return any(n != me and os.path.isfile(os.path.join(parent, n, layout.MANIFEST_FILE)) for n in names)
+
+
+def verify_tag(tagdir: str, workers: int = 8, progress: Optional[bool] = None, *,
+               require_manifest: Optional[bool] = None, trusted: bool = False) -> VerifyResult:
+    """Check one tag directory. With a manifest: every listed file's size and CRC32C (``workers`` threads).
+    Without one: NxD's completeness rules (``done``, every file named by the ref pickles, tensor files open).
+
+    ``require_manifest``: None (default) requires one when the parent directory is managed by nxd-ckpt
+    (a ``newest`` pointer or another tag with a manifest); True always; False never.
+    """
+    tagdir = os.path.abspath(tagdir)
+    tag = os.path.basename(tagdir)
+    res = VerifyResult(tag, tagdir, False, "nxd-ckpt")
+    if not os.path.isdir(tagdir):
+        res.problems.append((".", "the tag directory does not exist"))
+        return res
+    try:
+        manifest = load_manifest_file(tagdir)
+    except CorruptCheckpointError as exc:
+        res.problems.append((layout.MANIFEST_FILE, str(exc)))
+        manifest = None
+        require_manifest = False  # already reported; still check what can be checked
+    has_done = os.path.isfile(os.path.join(tagdir, layout.DONE_MARKER))
+    if not has_done:
+        res.problems.append((layout.DONE_MARKER, "missing: the checkpoint is incomplete (its save never finished)"))
+    if manifest is not None:
+        _verify_manifest(tagdir, manifest, res, workers, progress)
+    else:
+        res.kind = "neuronx-distributed"
+        if require_manifest is None:
+            require_manifest = _dir_is_managed(tagdir)
+        if require_manifest and not any(p[0] == layout.MANIFEST_FILE for p in res.problems):
+            res.kind = "nxd-ckpt"
+            res.problems.append((layout.MANIFEST_FILE,
+                                 "missing: nxd-ckpt writes one for every checkpoint it saves, so this tag is "
+                                 "incomplete or damaged (if neuronx-distributed wrote it, check it with --nxd)"))
+        _verify_nxd(tagdir, res, workers, progress, trusted)
+    res.ok = not res.problems
+    return res
+
+
+def _verify_manifest(tagdir: str, manifest: dict, res: VerifyResult, workers: int, progress) -> None:
+    files = manifest["files"]
+    bar = _progress_bar(sum(int(e.get("size", 0)) for e in files.values()), f"verify {res.tag}", progress)
+
+    def job(item):
+        rel, entry = item
+        problem = _check_one(tagdir, rel, entry)
+        if bar is not None:
+            bar.update(int(entry.get("size", 0)))
+        return rel, entry, problem
+
+    try:
+        with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+            for rel, entry, problem in pool.map(job, sorted(files.items())):
+                res.files_checked += 1
+                if problem is None:
+                    res.bytes_checked += int(entry["size"])
+                else:
+                    res.problems.append((rel, problem))
+    finally:
+        if bar is not None:
+            bar.close()
+    # Files the manifest does not know (other than markers) are not part of the checkpoint; mention them.
+    known = set(files) | {layout.CHECKPOINT_MARKER, layout.DONE_MARKER, layout.MANIFEST_FILE}
+    extra = []
+    for root, _dirs, names in os.walk(tagdir):
+        for n in names:
+            rel = os.path.relpath(os.path.join(root, n), tagdir).replace(os.sep, "/")
+            if rel not in known:
+                extra.append(rel)
+    if extra:
+        res.notes.append(f"{len(extra)} file(s) not listed in the manifest (ignored), e.g. {sorted(extra)[0]}")
+
+
+def _verify_nxd(tagdir: str, res: VerifyResult, workers: int, progress, trusted: bool) -> None:
+    """NxD rules: every ref file loads, every tensor file it names exists and opens."""
+    reader = CheckedReader(tagdir, None, trusted)
+    tensor_files: List[str] = []
+    folders = [f for f in (layout.MODEL_DIR, layout.OPTIM_DIR) if os.path.isdir(os.path.join(tagdir, f))]
+    if not folders:
+        res.problems.append((".", "no model/ or optim/ folder: nothing was saved in this tag"))
+    for folder in folders:
+        fpath = os.path.join(tagdir, folder)
+        xser_folder = layout.folder_is_xser(fpath)
+        refs = shard_refs(fpath)
+        if not refs:
+            res.problems.append((folder, "holds no shard files (dp_rank_*_tp_rank_*_pp_rank_*.pt)"))
+        for name in refs:
+            rel = f"{folder}/{name}"
+            res.files_checked += 1
+            if xser_folder:
+                try:
+                    data = reader.refs(rel)
+                except xser.UnsafeCheckpointError as exc:
+                    res.problems.append((rel, f"not checkable without --trusted: {exc}"))
+                    continue
+                except CheckpointError as exc:
+                    res.problems.append((rel, str(exc)))
+                    continue
+                for tid in xser.collect_tids(data):
+                    tensor_files.append(layout.tensor_path(rel, tid).replace(os.sep, "/"))
+            else:
+                try:
+                    reader.plain(rel, mmap=True)
+                except xser.UnsafeCheckpointError as exc:
+                    res.problems.append((rel, f"not checkable without --trusted: {exc}"))
+                except CheckpointError as exc:
+                    res.problems.append((rel, str(exc)))
+        if folder == layout.OPTIM_DIR:
+            _check_dp_ranks(fpath, res)
+    sizes = {}
+    for rel in tensor_files:
+        try:
+            sizes[rel] = os.path.getsize(reader.path(rel))
+        except OSError:
+            sizes[rel] = 0
+    bar = _progress_bar(sum(sizes.values()), f"verify {res.tag}", progress)
+
+    def job(rel):
+        problem = None
+        if not os.path.isfile(reader.path(rel)):
+            problem = "missing (named by its ref file)"
+        else:
+            try:
+                reader.tensor(rel)
+            except xser.UnsafeCheckpointError as exc:
+                problem = f"not checkable without --trusted: {exc}"
+            except CheckpointError as exc:
+                problem = f"does not open: {exc}"
+        if bar is not None:
+            bar.update(sizes[rel])
+        return rel, problem
+
+    try:
+        with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+            for rel, problem in pool.map(job, tensor_files):
+                res.files_checked += 1
+                if problem is None:
+                    res.bytes_checked += sizes[rel]
+                else:
+                    res.problems.append((rel, problem))
+    finally:
+        if bar is not None:
+            bar.close()
+    res.notes.append("no manifest: checked completeness and that every file opens, not checksums")
+
+
+def _check_dp_ranks(folder: str, res: VerifyResult) -> None:
+    groups: Dict[tuple, set] = {}
+    for s in layout.list_shard_files(folder):
+        groups.setdefault((s.ep, s.tp, s.pp), set()).add(s.dp)
+    sets = {k: v for k, v in groups.items() if v}
+    if not sets:
+        return
+    size = max(max(v) for v in sets.values()) + 1
+    for (ep, tp, pp), dps in sorted(sets.items(), key=lambda kv: str(kv[0])):
+        missing = sorted(set(range(size)) - dps)
+        if missing and size > 1:
+            name = layout.shard_filename(missing[0], tp, pp, ep)
+            res.problems.append((f"{layout.OPTIM_DIR}/{name}",
+                                 f"missing: ZeRO-1 shards of tp {tp} pp {pp} lack dp rank(s) {missing}"))
+
+
+def list_tag_dirs(checkpoint_dir: str) -> List[str]:
+    """Tag directories under a checkpoint dir (complete or not), newest first; staging debris excluded."""
+    from . import commit
+    from .storage import LocalStorage
+
+    return [t.tag for t in commit.scan_tags(LocalStorage(checkpoint_dir))]
+
+
+def verify_dir(checkpoint_dir: str, workers: int = 8, progress: Optional[bool] = None, **kw) -> List[VerifyResult]:
+    """verify_tag for every tag under ``checkpoint_dir``, newest first."""
+    return [verify_tag(os.path.join(checkpoint_dir, t), workers, progress, **kw) for t in list_tag_dirs(checkpoint_dir)]
+
+
+def is_tag_dir(path: str) -> bool:
+    """True when ``path`` looks like one tag (markers, manifest, model/ or optim/), not a checkpoint dir."""
+    return any(os.path.exists(os.path.join(path, n)) for n in (
+        layout.DONE_MARKER, layout.CHECKPOINT_MARKER, layout.MANIFEST_FILE, layout.MODEL_DIR, layout.OPTIM_DIR))
+

@@ -1,0 +1,843 @@
+"""Change the data-parallel degree of a ZeRO-1 optimizer checkpoint (DESIGN 2.4).
+
+A ZeRO-1 shard of parameter ``i`` is the parameter padded with zeros along dim 0 to a multiple of the group
+size G and cut into G pieces; rank ``d`` holds piece ``d``. Converting to G' ranks concatenates the pieces,
+trims the padding (``shape_info[i][0]`` rows), re-pads and re-cuts. ``step`` and every non-tensor are copied.
+
+The conversion streams: one parameter at a time, and within a parameter one state tensor at a time, it reads
+only the input pieces that overlap the output piece being built and writes each output tensor file as soon as
+it is computed. Peak memory is therefore about two output pieces of the largest state tensor, not the state.
+
+Output is a complete tag (``checkpoint`` marker, model/ and the small files linked or copied, manifest with
+the new topology and the checksums of every file, ``done`` last), built in ``<output>.nxdtmp`` and renamed
+into place. The input is never modified.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import math
+import multiprocessing
+import os
+import shutil
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+
+import xser
+
+from . import commit, layout
+from .errors import CheckpointArgumentError, CheckpointError, CorruptCheckpointError
+from .storage import FileRecord, LocalStorage
+from .verify import CheckedReader, file_crc32c, load_manifest_file
+
+
+class Zero1FormatError(CheckpointError, ValueError):
+    """The input is not a ZeRO-1 optimizer checkpoint this tool can convert (missing, mixed, not ZeRO-1)."""
+
+
+# --- slots: where each output tensor comes from ----------------------------------------------------
+@dataclass(eq=False)
+class Slot:
+    """A tensor position in the output state: ``shard`` (re-sharded over DP) or ``copy`` (taken from the
+    first input shard, e.g. Adam's ``step``)."""
+
+    kind: str
+    path: tuple
+    leaf: Any = None          # copy: the input leaf (TensorReference or inline tensor) of source 0
+    param: Any = None         # shard: the parameter index (a key of shape_info)
+
+
+def _get_path(obj, path):
+    for k in path:
+        obj = obj[k]
+    return obj
+
+
+def _is_leaf(x) -> bool:
+    return xser.is_ref(x) or isinstance(x, torch.Tensor)
+
+
+def _template(obj, memo: Dict[Any, Slot], path=()):
+    """Copy of ``obj`` with every tensor / TensorReference replaced by a copy Slot (shared leaves share one)."""
+    if _is_leaf(obj):
+        key = ("ref", obj.tid) if xser.is_ref(obj) else ("obj", id(obj))
+        if key not in memo:
+            memo[key] = Slot("copy", path, leaf=obj)
+        return memo[key]
+    if isinstance(obj, dict):
+        out = copy.copy(obj)
+        for k in list(out.keys()):
+            out[k] = _template(obj[k], memo, path + (k,))
+        return out
+    if isinstance(obj, list):
+        return [_template(v, memo, path + (i,)) for i, v in enumerate(obj)]
+    if isinstance(obj, tuple):
+        items = [_template(v, memo, path + (i,)) for i, v in enumerate(obj)]
+        return type(obj)._make(items) if hasattr(type(obj), "_make") else type(obj)(items)
+    return obj
+
+
+def _fill(tpl, value: Callable[[Slot], Any]):
+    """``tpl`` with each Slot replaced by ``value(slot)`` (called once per slot object)."""
+    cache: Dict[int, Any] = {}
+
+    def walk(obj):
+        if isinstance(obj, Slot):
+            if id(obj) not in cache:
+                cache[id(obj)] = value(obj)
+            return cache[id(obj)]
+        if isinstance(obj, dict):
+            out = copy.copy(obj)
+            for k in list(out.keys()):
+                out[k] = walk(obj[k])
+            return out
+        if isinstance(obj, list):
+            return [walk(v) for v in obj]
+        if isinstance(obj, tuple):
+            items = [walk(v) for v in obj]
+            return type(obj)._make(items) if hasattr(type(obj), "_make") else type(obj)(items)
+        return obj
+
+    return walk(tpl)
+
+
+def _rows_tail(shape) -> Tuple[int, tuple]:
+    shape = tuple(int(d) for d in shape)
+    return (shape[0], shape[1:]) if shape else (1, ())
+
+
+def _per(rows: int, size: int) -> int:
+    return math.ceil(rows / size) if rows else 0
+
+
+def build_template(state, where: str) -> Tuple[Any, List[Slot], Dict[Any, tuple]]:
+    """(template, shard slots, shape_info) of one ZeRO-1 state (ref data). Raises Zero1FormatError when
+    ``state`` is not a ZeRO-1 optimizer state dict."""
+    if not isinstance(state, dict) or "base_state" not in state or "shape_info" not in state:
+        have = sorted(map(str, state.keys()))[:8] if isinstance(state, dict) else type(state).__name__
+        raise Zero1FormatError(
+            f"{where} is not a ZeRO-1 optimizer state (no 'base_state'/'shape_info'; it has {have}). "
+            "convert-zero1 only converts torch-xla ZeroRedundancyOptimizer checkpoints (saved with "
+            "zero1_optimizer=True); a plain optimizer state does not depend on the DP size and needs no conversion")
+    base, shapes = state["base_state"], state["shape_info"]
+    masters = state.get("sharded_master_weights")
+    tpl = _template(state, {})
+    slots: List[Slot] = []
+    for i, st in base.items():
+        if i not in shapes:
+            raise Zero1FormatError(f"{where}: base_state has parameter {i!r} but shape_info does not; the file is "
+                                   "not a consistent ZeRO-1 state")
+        if not isinstance(st, dict):
+            continue
+        for k, v in st.items():
+            if k != "step" and _is_leaf(v):
+                s = Slot("shard", ("base_state", i, k), param=i)
+                tpl["base_state"][i][k] = s
+                slots.append(s)
+    if isinstance(masters, dict):
+        for i, v in masters.items():
+            if i not in shapes:
+                raise Zero1FormatError(f"{where}: sharded_master_weights has parameter {i!r} but shape_info does not")
+            if _is_leaf(v):
+                s = Slot("shard", ("sharded_master_weights", i), param=i)
+                tpl["sharded_master_weights"][i] = s
+                slots.append(s)
+    shape_info = {i: tuple(int(d) for d in s) for i, s in shapes.items()}
+    return tpl, slots, shape_info
+
+
+# --- the row arithmetic ------------------------------------------------------------------------------
+def make_piece(r: int, load: Callable[[int], torch.Tensor], per_in: int, rows: int, tail: tuple, per_out: int,
+               dtype_of: Callable[[], torch.dtype]) -> torch.Tensor:
+    """Output piece ``r`` ((per_out, *tail) rows ``[r*per_out, (r+1)*per_out)`` of the padded parameter),
+    assembled from the input pieces ``load(j)`` (each (per_in, *tail)) that overlap it."""
+    a, b = r * per_out, (r + 1) * per_out
+    end = min(b, rows)
+    parts = []
+    pos = a
+    while pos < end:
+        j = pos // per_in
+        off = pos - j * per_in
+        take = min(per_in - off, end - pos)
+        src = load(j)
+        parts.append(src if (off == 0 and take == src.shape[0]) else src[off:off + take])
+        pos += take
+    pad = b - max(a, end)
+    if pad:
+        parts.append(torch.zeros((pad, *tail), dtype=parts[0].dtype if parts else dtype_of()))
+    if not parts:
+        return torch.zeros((0, *tail), dtype=dtype_of())
+    if len(parts) == 1:
+        return parts[0]
+    return torch.cat(parts, dim=0)
+
+
+@dataclass
+class Geometry:
+    shape: tuple
+    g_in: int
+    full_in: bool
+    g_out: int
+    full_out: bool
+
+    @property
+    def rows_tail(self):
+        return _rows_tail(self.shape)
+
+    @property
+    def per_in(self) -> int:
+        rows, _ = self.rows_tail
+        return rows if self.full_in else _per(rows, self.g_in)
+
+    @property
+    def per_out(self) -> int:
+        rows, _ = self.rows_tail
+        return rows if self.full_out else _per(rows, self.g_out)
+
+    def out_shape(self) -> tuple:
+        _, tail = self.rows_tail
+        return tuple(self.shape) if self.full_out else (self.per_out, *tail)
+
+    def normalise_input(self, t: torch.Tensor, where: str) -> torch.Tensor:
+        """An input piece as (per_in, *tail), after checking its shape."""
+        rows, tail = self.rows_tail
+        if self.full_in:
+            if tuple(t.shape) not in (tuple(self.shape), (rows, *tail)):
+                raise CorruptCheckpointError(
+                    f"{where} has shape {tuple(t.shape)}, but shape_info says the parameter is {tuple(self.shape)}",
+                    path=where)
+            return t.reshape(rows, *tail)
+        want = (self.per_in, *tail)
+        if tuple(t.shape) != want:
+            raise CorruptCheckpointError(
+                f"{where} has shape {tuple(t.shape)}; a ZeRO-1 piece of a {tuple(self.shape)} parameter over "
+                f"{self.g_in} DP ranks must be {want}. The checkpoint's shards do not match its shape_info",
+                path=where)
+        return t
+
+    def finish(self, piece: torch.Tensor) -> torch.Tensor:
+        return piece.reshape(self.shape) if self.full_out else piece
+
+
+def stream_pieces(geo: Geometry, load_raw: Callable[[int], Tuple[torch.Tensor, str]]):
+    """Yield (r, piece) for every output rank, keeping only the overlapping input pieces in memory."""
+    cache: Dict[int, torch.Tensor] = {}
+    rows, tail = geo.rows_tail
+    per_in, per_out = geo.per_in, geo.per_out
+    dtype: List[torch.dtype] = []
+
+    def load(j):
+        if j not in cache:
+            t, where = load_raw(j)
+            cache[j] = geo.normalise_input(t, where)
+            if not dtype:
+                dtype.append(cache[j].dtype)
+            elif cache[j].dtype != dtype[0]:
+                raise CorruptCheckpointError(f"{where} has dtype {cache[j].dtype}, the other DP pieces {dtype[0]}",
+                                             path=where)
+        return cache[j]
+
+    def dtype_of():
+        return dtype[0] if dtype else load(0).dtype
+
+    for r in range(geo.g_out):
+        piece = make_piece(r, load, per_in, rows, tail, per_out, dtype_of)
+        b = (r + 1) * per_out
+        for j in [j for j in cache if (j + 1) * per_in <= b]:
+            del cache[j]
+        yield r, geo.finish(piece)
+
+
+# --- the plan -------------------------------------------------------------------------------------
+@dataclass
+class Group:
+    """All input files of one (ep, tp, pp) and the output files they become."""
+
+    coords: layout.ShardName
+    in_rels: List[str]                    # by input DP rank (one entry for a full file)
+    out_rels: List[str]                   # by output DP rank (one entry for a full file)
+    sources: List[Any] = field(default_factory=list)   # ref data of each input file
+    template: Any = None
+    slots: List[Slot] = field(default_factory=list)
+    shape_info: Dict[Any, tuple] = field(default_factory=dict)
+
+
+def _scan_optim(root: str, folder_rel: str) -> Tuple[Dict[tuple, Dict[int, str]], bool]:
+    """{(ep, tp, pp): {dp (-1 for full): file name}} and whether the inputs are full files."""
+    folder = os.path.join(root, folder_rel) if folder_rel else root
+    shards: Dict[tuple, Dict[int, str]] = {}
+    fulls: Dict[tuple, Dict[int, str]] = {}
+    for name in sorted(os.listdir(folder)):
+        s = layout.parse_shard_filename(name)
+        if s is not None:
+            shards.setdefault((s.ep, s.tp, s.pp), {})[s.dp] = name
+            continue
+        f = layout.parse_full_filename(name)
+        if f is not None:
+            fulls.setdefault((f.ep, f.tp, f.pp), {})[-1] = name
+    if shards and fulls:
+        raise Zero1FormatError(
+            f"{folder} holds both dp_rank_* shards and full_* files; keep one kind (move the other away) and retry")
+    if not shards and not fulls:
+        raise Zero1FormatError(
+            f"{folder} holds no optimizer files (dp_rank_*_tp_rank_*_pp_rank_*.pt or full_tp_rank_*_pp_rank_*.pt)")
+    if fulls:
+        return fulls, True
+    sizes = {k: sorted(v) for k, v in shards.items()}
+    g = max(max(v) for v in sizes.values()) + 1
+    problems = []
+    for k, dps in sorted(sizes.items(), key=lambda kv: str(kv[0])):
+        missing = sorted(set(range(g)) - set(dps))
+        if missing:
+            where = f"tp {k[1]} pp {k[2]}" + (f" ep {k[0]}" if k[0] is not None else "")
+            problems.append(f"{where} has dp ranks {_ranges(dps)} (missing {_ranges(missing)})")
+    if problems:
+        counts = sorted({len(v) for v in sizes.values()})
+        kind = "mixed DP sizes" if len(counts) > 1 else "missing dp ranks"
+        raise Zero1FormatError(
+            f"{folder}: {kind}: the largest dp rank is {g - 1}, so every (tp, pp) needs dp ranks 0-{g - 1}, but "
+            + "; ".join(problems) + ". The checkpoint is incomplete or mixes two saves: convert a complete tag")
+    return shards, False
+
+
+def _ranges(nums) -> str:
+    nums = sorted(nums)
+    out, start = [], None
+    for i, n in enumerate(nums):
+        if start is None:
+            start = n
+        if i + 1 == len(nums) or nums[i + 1] != n + 1:
+            out.append(f"{start}" if start == n else f"{start}-{n}")
+            start = None
+    return ",".join(out) if out else "none"
+
+
+@dataclass
+class ConvertResult:
+    output_dir: str
+    input_dp: Optional[int]
+    output_dp: Optional[int]
+    xser: bool
+    groups: int
+    params: int
+    bytes_written: int
+    files_written: int
+    linked: int
+    copied: int
+
+    def to_json(self) -> dict:
+        return dict(self.__dict__)
+
+
+def _resolve_paths(input_dir: str, output_dir: str, overwrite: bool) -> Tuple[str, str]:
+    src = os.path.realpath(input_dir)
+    dst = os.path.realpath(output_dir)
+    if not os.path.isdir(src):
+        raise CheckpointArgumentError(f"--input_dir {input_dir} is not a directory; pass a checkpoint tag directory "
+                                      "such as ckpts/step_1000")
+    if src == dst:
+        raise CheckpointArgumentError(
+            f"--output_dir {output_dir} is the input directory ({src}); converting in place would destroy the "
+            "input. Pass a new directory, e.g. ckpts/step_1000_dp8")
+    if dst.startswith(src + os.sep):
+        raise CheckpointArgumentError(f"--output_dir {output_dir} is inside the input directory {src}; pass a "
+                                      "directory outside it, e.g. a sibling tag")
+    if src.startswith(dst + os.sep):
+        raise CheckpointArgumentError(f"--output_dir {output_dir} contains the input directory {src}; replacing it "
+                                      "would destroy the input. Pass a new directory, e.g. a sibling tag")
+    if os.path.exists(dst):
+        if not os.path.isdir(dst):
+            raise CheckpointArgumentError(f"--output_dir {output_dir} exists and is not a directory")
+        if os.listdir(dst) and not overwrite:
+            raise CheckpointArgumentError(
+                f"--output_dir {output_dir} exists and is not empty; pass --overwrite to replace it, or choose "
+                "a new directory")
+    return src, dst
+
+
+def convert_zero1(input_dir: str, output_dir: str, *, to_full: bool = False, dp_size: Optional[int] = None,
+                  num_workers: int = 1, overwrite: bool = False, trusted: bool = False,
+                  progress: Optional[bool] = None) -> ConvertResult:
+    """Convert the ZeRO-1 optimizer state of tag ``input_dir`` to ``dp_size`` DP shards (or, with
+    ``to_full``, to one full file per (tp, pp)) in a new complete tag ``output_dir``.
+
+    ``input_dir`` may also be an ``optim/`` folder itself; then only optimizer files are written to
+    ``output_dir`` (NxD's converter's behaviour), without markers or manifest.
+    """
+    if not to_full:
+        if isinstance(dp_size, bool) or not isinstance(dp_size, int) or dp_size < 1:
+            raise CheckpointArgumentError(f"--dp_size must be a positive integer with --convert_to_sharded, got {dp_size!r}")
+    if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
+        raise CheckpointArgumentError(f"--num_workers must be a positive integer, got {num_workers!r}")
+    src, dst = _resolve_paths(input_dir, output_dir, overwrite)
+    tag_mode = os.path.isdir(os.path.join(src, layout.OPTIM_DIR))
+    if tag_mode:
+        in_root, in_folder = src, layout.OPTIM_DIR
+    else:
+        has_files = any(layout.parse_shard_filename(n) or layout.parse_full_filename(n) for n in os.listdir(src))
+        if not has_files:
+            raise Zero1FormatError(
+                f"{input_dir} has no optim/ folder: it holds no optimizer state to convert. Pass the tag directory "
+                "of a checkpoint saved with a ZeRO-1 optimizer (e.g. ckpts/step_1000, which contains optim/)")
+        in_root, in_folder = os.path.dirname(src), os.path.basename(src)
+    manifest = load_manifest_file(in_root) if tag_mode or os.path.basename(src) == layout.OPTIM_DIR else None
+    if tag_mode and not os.path.isfile(os.path.join(src, layout.DONE_MARKER)):
+        raise CheckpointArgumentError(
+            f"{input_dir} has no 'done' marker: its save never finished, so its files may be incomplete. "
+            "Convert a complete tag (see `nxd-ckpt ls`)")
+    reader = CheckedReader(in_root, manifest, trusted)
+    in_prefix = f"{in_folder}/" if in_folder else ""
+    groups_in, full_in = _scan_optim(in_root, in_folder)
+    if to_full and full_in:
+        raise CheckpointArgumentError(f"{input_dir} already holds full optimizer files; nothing to do with "
+                                      "--convert_to_full (use --convert_to_sharded --dp_size N)")
+    g_in = 1 if full_in else len(next(iter(groups_in.values())))
+    g_out = 1 if to_full else dp_size
+    out_prefix = f"{layout.OPTIM_DIR}/" if tag_mode else ""
+    xser_in = layout.folder_is_xser(os.path.join(in_root, in_folder))
+
+    groups: List[Group] = []
+    for key in sorted(groups_in, key=lambda k: (k[0] or 0, k[1], k[2])):
+        ep, tp, pp = key
+        files = groups_in[key]
+        in_rels = [in_prefix + files[d] for d in sorted(files)]
+        if to_full:
+            out_rels = [out_prefix + layout.full_filename(tp, pp, ep)]
+        else:
+            out_rels = [out_prefix + layout.shard_filename(d, tp, pp, ep) for d in range(g_out)]
+        grp = Group(layout.ShardName(0, tp, pp, ep), in_rels, out_rels)
+        grp.sources = [reader.refs(r) if xser_in else None for r in in_rels]
+        first = grp.sources[0] if xser_in else reader.plain(in_rels[0], mmap=True)
+        grp.template, grp.slots, grp.shape_info = build_template(first, reader.path(in_rels[0]))
+        if xser_in:
+            for j, s in enumerate(grp.sources[1:], 1):
+                if not isinstance(s, dict) or "base_state" not in s:
+                    raise Zero1FormatError(f"{reader.path(in_rels[j])} is not a ZeRO-1 optimizer state, "
+                                           f"unlike {reader.path(in_rels[0])}")
+        groups.append(grp)
+
+    stage = dst + commit.STAGING_SUFFIX
+    shutil.rmtree(stage, ignore_errors=True)
+    os.makedirs(stage)
+    out = LocalStorage(stage)
+    records: Dict[str, FileRecord] = {}
+    optim_tensors: Dict[str, dict] = {}
+    try:
+        if tag_mode:
+            out.write_file(layout.CHECKPOINT_MARKER, lambda f: f.write(b"1"))
+        ctx = _WorkerContext(in_root, manifest, trusted, stage)
+        if not xser_in:
+            # Check each plain input file once here; the workers then read them memory-mapped unchecked.
+            for grp in groups:
+                for rel in grp.in_rels:
+                    reader.check_file(rel)
+            ctx = _WorkerContext(in_root, None, trusted, stage)
+        if xser_in:
+            _convert_xser(groups, g_in, full_in, g_out, to_full, ctx, reader, out, records, optim_tensors,
+                          num_workers, progress)
+        else:
+            _convert_plain(groups, g_in, full_in, g_out, to_full, ctx, records, optim_tensors, num_workers, progress)
+        linked = copied = 0
+        if tag_mode:
+            linked, copied = _copy_rest(src, stage, manifest, records)
+            _write_manifest(out, os.path.basename(dst), manifest, src, groups, g_out, to_full, xser_in,
+                            records, optim_tensors)
+        _publish(stage, dst)
+    except BaseException:
+        shutil.rmtree(stage, ignore_errors=True)
+        raise
+    nparams = sum(len(g.shape_info) for g in groups)
+    written = [r for r in records.values()]
+    return ConvertResult(dst, None if full_in else g_in, None if to_full else g_out, xser_in, len(groups), nparams,
+                         sum(r.size for r in written), len(written), linked, copied)
+
+
+# --- workers --------------------------------------------------------------------------------------
+@dataclass
+class _WorkerContext:
+    in_root: str
+    manifest: Optional[dict]
+    trusted: bool
+    out_root: str
+
+
+_CTX: Optional[_WorkerContext] = None
+
+
+def _init_worker(ctx: _WorkerContext) -> None:
+    global _CTX
+    _CTX = ctx
+    torch.set_num_threads(1)
+
+
+def _load_leaf(reader: CheckedReader, spec) -> Tuple[torch.Tensor, str]:
+    kind, val = spec
+    if kind == "file":
+        return reader.tensor(val), reader.path(val)
+    return val[0], val[1]
+
+
+def _run_unit(unit: dict) -> List[tuple]:
+    """Re-shard every state tensor of one parameter; write each output tensor file at once."""
+    ctx = _CTX
+    reader = CheckedReader(ctx.in_root, ctx.manifest, ctx.trusted)
+    out = LocalStorage(ctx.out_root)
+    geo: Geometry = unit["geometry"]
+    results = []
+    for label, specs, tid in unit["keys"]:
+        for r, piece in stream_pieces(geo, lambda j: _load_leaf(reader, specs[j])):
+            rel = layout.tensor_path(unit["out_rels"][r], tid)
+            rec = out.write_file(rel, lambda f, t=piece: xser.write_tensor(t, f))
+            results.append((rel, rec.size, rec.crc32c, unit["out_rels"][r], tid, str(piece.dtype).replace("torch.", ""),
+                            list(piece.shape)))
+            del piece
+    return results
+
+
+def _pool_map(fn, units: List, ctx: _WorkerContext, num_workers: int, progress, desc: str, weight):
+    """Yield fn(unit) for each unit, in worker processes when num_workers > 1, with a tqdm bar on a tty."""
+    show = sys.stderr.isatty() if progress is None else bool(progress)
+    bar = None
+    if show:
+        from tqdm import tqdm
+
+        bar = tqdm(total=sum(weight(u) for u in units), unit="B", unit_scale=True, unit_divisor=1024, desc=desc)
+    try:
+        if num_workers <= 1 or len(units) <= 1:
+            _init_worker_inline(ctx)
+            for u in units:
+                res = fn(u)
+                if bar is not None:
+                    bar.update(weight(u))
+                yield res
+        else:
+            method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
+            mp = multiprocessing.get_context(method)
+            with mp.Pool(min(num_workers, len(units)), initializer=_init_worker, initargs=(ctx,)) as pool:
+                for u, res in pool.imap_unordered(_tagged(fn), [(i, u) for i, u in enumerate(units)]):
+                    if bar is not None:
+                        bar.update(weight(units[u]))
+                    yield res
+    finally:
+        if bar is not None:
+            bar.close()
+
+
+def _init_worker_inline(ctx: _WorkerContext) -> None:
+    global _CTX
+    _CTX = ctx
+
+
+class _tagged:
+    """Picklable wrapper returning (index, fn(unit))."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __call__(self, item):
+        i, u = item
+        return i, self.fn(u)
+
+
+def _nbytes(shape, dtype_size: int = 4) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n * dtype_size
+
+
+def _convert_xser(groups: List[Group], g_in: int, full_in: bool, g_out: int, full_out: bool, ctx: _WorkerContext,
+                  reader: CheckedReader, out: LocalStorage, records: Dict[str, FileRecord],
+                  optim_tensors: Dict[str, dict], num_workers: int, progress) -> None:
+    units = []
+    group_plans = []
+    for grp in groups:
+        # One placeholder tensor per slot: xser.to_refs gives the tids torch-xla's save would give.
+        holders = {}
+        filled = _fill(grp.template, lambda s: holders.setdefault(id(s), (s, torch.zeros(1)))[1])
+        ref_data, ordered = xser.to_refs(filled)
+        by_holder = {id(t): s for s, t in holders.values()}
+        tid_of = {id(by_holder[id(t)]): tid for tid, t in enumerate(ordered)}
+        slot_of_tid = {tid: by_holder[id(t)] for tid, t in enumerate(ordered)}
+        group_plans.append((grp, ref_data, slot_of_tid))
+        per_param: Dict[Any, list] = {}
+        for s in grp.slots:
+            specs = []
+            for j, src in enumerate(grp.sources):
+                try:
+                    leaf = _get_path(src, s.path)
+                except (KeyError, IndexError, TypeError):
+                    raise Zero1FormatError(
+                        f"{reader.path(grp.in_rels[j])} has no {'/'.join(map(str, s.path))}, unlike "
+                        f"{grp.in_rels[0]}: the DP shards do not come from one ZeRO-1 optimizer") from None
+                if xser.is_ref(leaf):
+                    specs.append(("file", layout.tensor_path(grp.in_rels[j], leaf.tid)))
+                elif isinstance(leaf, torch.Tensor):
+                    specs.append(("inline", (leaf, f"{reader.path(grp.in_rels[j])} [{'/'.join(map(str, s.path))}]")))
+                else:
+                    raise Zero1FormatError(f"{reader.path(grp.in_rels[j])}: {'/'.join(map(str, s.path))} is a "
+                                           f"{type(leaf).__name__}, not a tensor, unlike in {grp.in_rels[0]}")
+            per_param.setdefault(s.param, []).append(("/".join(map(str, s.path)), specs, tid_of[id(s)]))
+        for i, keys in per_param.items():
+            geo = Geometry(grp.shape_info[i], g_in, full_in, g_out, full_out)
+            units.append({"geometry": geo, "keys": keys, "out_rels": grp.out_rels})
+    units.sort(key=lambda u: -_nbytes(u["geometry"].shape) * len(u["keys"]))
+
+    written: Dict[str, Dict[int, tuple]] = {}
+    for res in _pool_map(_run_unit, units, ctx, num_workers, progress, "convert-zero1",
+                         lambda u: _nbytes(u["geometry"].shape) * len(u["keys"])):
+        for rel, size, crc, out_rel, tid, dtype, shape in res:
+            records[rel] = FileRecord(rel, size, crc)
+            written.setdefault(out_rel, {})[tid] = (dtype, shape)
+
+    for grp, ref_data, slot_of_tid in group_plans:
+        copies = {tid: s for tid, s in slot_of_tid.items() if s.kind == "copy"}
+        for tid, s in sorted(copies.items()):
+            if xser.is_ref(s.leaf):
+                t = reader.tensor(layout.tensor_path(grp.in_rels[0], s.leaf.tid))
+            else:
+                t = s.leaf
+            for out_rel in grp.out_rels:
+                rel = layout.tensor_path(out_rel, tid)
+                records[rel] = out.write_file(rel, lambda f, t=t: xser.write_tensor(t, f))
+                written.setdefault(out_rel, {})[tid] = (str(t.dtype).replace("torch.", ""), list(t.shape))
+        for out_rel in grp.out_rels:
+            metas = written.get(out_rel, {})
+            info = {tid: {"dtype": getattr(torch, d), "shape": torch.Size(shape), "expert_model_parallel": False}
+                    for tid, (d, shape) in sorted(metas.items())}
+            records[layout.info_path(out_rel)] = out.write_file(layout.info_path(out_rel),
+                                                                lambda f, info=info: torch.save(info, f))
+            records[out_rel] = out.write_file(out_rel, lambda f: xser.dump_refs(ref_data, f))
+            optim_tensors[out_rel] = {
+                str(tid): {"dtype": d, "shape": shape, "key": "/".join(map(str, slot_of_tid[tid].path))}
+                for tid, (d, shape) in sorted(metas.items())}
+
+
+def _run_plain_unit(unit: dict) -> List[tuple]:
+    """Non-xser: build output rank r's whole state (inputs memory-mapped) and torch.save it."""
+    ctx = _CTX
+    reader = CheckedReader(ctx.in_root, ctx.manifest, ctx.trusted)
+    out = LocalStorage(ctx.out_root)
+    sources = [reader.plain(rel, mmap=True) for rel in unit["in_rels"]]
+    tpl, _slots, shape_info = build_template(sources[0], reader.path(unit["in_rels"][0]))
+    g_in, full_in, g_out, full_out, r = unit["g_in"], unit["full_in"], unit["g_out"], unit["full_out"], unit["r"]
+    metas = []
+
+    def value(slot: Slot):
+        if slot.kind == "copy":
+            v = slot.leaf.clone()
+        else:
+            geo = Geometry(shape_info[slot.param], g_in, full_in, g_out, full_out)
+            rows, tail = geo.rows_tail
+            where = [f"{reader.path(rel)} [{'/'.join(map(str, slot.path))}]" for rel in unit["in_rels"]]
+
+            def load(j):
+                try:
+                    t = _get_path(sources[j], slot.path)
+                except (KeyError, IndexError, TypeError):
+                    raise Zero1FormatError(f"{where[j]} is missing: the DP shards do not come from one ZeRO-1 "
+                                           "optimizer") from None
+                if not isinstance(t, torch.Tensor):
+                    raise Zero1FormatError(f"{where[j]} is a {type(t).__name__}, not a tensor")
+                return geo.normalise_input(t, where[j])
+
+            piece = make_piece(r, load, geo.per_in, rows, tail, geo.per_out, lambda: load(0).dtype)
+            v = geo.finish(piece).clone()
+        metas.append(("/".join(map(str, slot.path)), str(v.dtype).replace("torch.", ""), list(v.shape)))
+        return v
+
+    state = _fill(tpl, value)
+    rec = out.write_file(unit["out_rel"], lambda f: torch.save(state, f))
+    return [(unit["out_rel"], rec.size, rec.crc32c, metas)]
+
+
+def _convert_plain(groups: List[Group], g_in: int, full_in: bool, g_out: int, full_out: bool, ctx: _WorkerContext,
+                   records: Dict[str, FileRecord], optim_tensors: Dict[str, dict], num_workers: int, progress) -> None:
+    units = []
+    for grp in groups:
+        for r, out_rel in enumerate(grp.out_rels):
+            units.append({"in_rels": grp.in_rels, "out_rel": out_rel, "r": r, "g_in": g_in, "full_in": full_in,
+                          "g_out": g_out, "full_out": full_out,
+                          "bytes": sum(_nbytes(s) for s in grp.shape_info.values()) // max(1, g_out)})
+    for res in _pool_map(_run_plain_unit, units, ctx, num_workers, progress, "convert-zero1", lambda u: u["bytes"]):
+        for rel, size, crc, metas in res:
+            records[rel] = FileRecord(rel, size, crc)
+            optim_tensors[rel] = {str(i): {"dtype": d, "shape": s, "key": k} for i, (k, d, s) in enumerate(metas)}
+
+
+# --- the rest of the tag ------------------------------------------------------------------------------
+_SKIP_TOP = {layout.OPTIM_DIR, layout.CHECKPOINT_MARKER, layout.DONE_MARKER, layout.MANIFEST_FILE}
+
+
+def _copy_rest(src: str, stage: str, manifest: Optional[dict], records: Dict[str, FileRecord]) -> Tuple[int, int]:
+    """Hard-link (same filesystem) or copy everything of the input tag but optim/ and the markers."""
+    known = manifest["files"] if manifest else {}
+    linked = copied = 0
+    for root, dirs, names in os.walk(src):
+        rel_root = os.path.relpath(root, src)
+        if rel_root == ".":
+            dirs[:] = [d for d in dirs if d not in _SKIP_TOP and not d.endswith(layout.TMP_SUFFIX)]
+            names = [n for n in names if n not in _SKIP_TOP]
+        dirs.sort()
+        for n in sorted(names):
+            if n.endswith(layout.TMP_SUFFIX):
+                continue
+            rel = n if rel_root == "." else f"{rel_root.replace(os.sep, '/')}/{n}"
+            s_path, d_path = os.path.join(src, rel), os.path.join(stage, rel)
+            os.makedirs(os.path.dirname(d_path), exist_ok=True)
+            try:
+                os.link(s_path, d_path)
+                linked += 1
+                entry = known.get(rel)
+                size = os.path.getsize(d_path)
+                if entry is not None and entry["size"] == size:
+                    records[rel] = FileRecord(rel, size, int(entry["crc32c"], 16))
+                else:
+                    size, crc = file_crc32c(d_path)
+                    records[rel] = FileRecord(rel, size, crc)
+            except OSError:
+                records[rel] = _copy_file(s_path, d_path, rel)
+                copied += 1
+    return linked, copied
+
+
+def _copy_file(s_path: str, d_path: str, rel: str) -> FileRecord:
+    store = LocalStorage(os.path.dirname(d_path))
+
+    def produce(f):
+        with open(s_path, "rb", buffering=0) as inp:
+            while True:
+                block = inp.read(8 << 20)
+                if not block:
+                    break
+                f.write(block)
+
+    rec = store.write_file(os.path.basename(d_path), produce)
+    return FileRecord(rel, rec.size, rec.crc32c)
+
+
+def _write_manifest(out: LocalStorage, tag: str, in_manifest: Optional[dict], src: str, groups: List[Group],
+                    g_out: int, full_out: bool, xser_out: bool, records: Dict[str, FileRecord],
+                    optim_tensors: Dict[str, dict]) -> None:
+    if in_manifest is not None:
+        topo = dict(in_manifest.get("topology", {}))
+    else:
+        from .inspect import derived_topology
+
+        topo = derived_topology(src)
+    ep = int(topo.get("ep") or 1)
+    cp = int(topo.get("cp") or 1)
+    tp = int(topo.get("tp") or 1)
+    pp = int(topo.get("pp") or 1)
+    dp = g_out * ep
+    topo.update(tp=tp, pp=pp, cp=cp, ep=ep, dp=dp, world_size=tp * pp * dp * cp)
+    flags = {"zero1": True, "xser": xser_out,
+             "has_model": os.path.isdir(os.path.join(src, layout.MODEL_DIR)), "has_optim": True}
+    if full_out:
+        flags["zero1_full"] = True
+    files = {}
+    in_files = in_manifest["files"] if in_manifest else {}
+    for rel, rec in sorted(records.items()):
+        if rel in (layout.CHECKPOINT_MARKER, layout.DONE_MARKER, layout.MANIFEST_FILE):
+            continue
+        entry = rec.to_json()
+        entry["rank"] = _rank_of(rel, topo) if rel.startswith(layout.OPTIM_DIR + "/") else \
+            int(in_files.get(rel, {}).get("rank", 0))
+        files[rel] = entry
+    tensors = {}
+    if in_manifest is not None:
+        tensors.update({k: v for k, v in in_manifest.get("tensors", {}).items()
+                        if not k.startswith(layout.OPTIM_DIR + "/")})
+    tensors.update(optim_tensors)
+    man = commit.build_manifest(tag, topo, flags, files, tensors)
+    man["converted_from"] = {"path": src, "tag": os.path.basename(src),
+                             "dp": in_manifest.get("topology", {}).get("dp") if in_manifest else None}
+    body = json.dumps(man, indent=1).encode()
+    out.write_file(layout.MANIFEST_FILE, lambda f: f.write(body))
+    out.write_file(layout.DONE_MARKER, lambda f: f.write(b"1"))
+
+
+def _rank_of(rel: str, topo: dict) -> int:
+    """The global rank that owns optimizer file ``rel`` in the new topology (rank grid of DESIGN 2.3)."""
+    name = rel.split("/")[-1]
+    s = layout.parse_shard_filename(name)
+    if s is None:
+        f = layout.parse_full_filename(name)
+        if f is None:
+            return 0
+        s = layout.ShardName(0, f.tp, f.pp, f.ep)
+    tp, dp, cp, ep = (int(topo.get(k) or 1) for k in ("tp", "dp", "cp", "ep"))
+    if ep > 1:  # the [PP, EDP, EP, TP] view; the file's dp field is the expert-DP rank
+        edp = max(1, dp * cp // ep)
+        return ((s.pp * edp + s.dp) * ep + (s.ep or 0)) * tp + s.tp
+    return ((s.pp * dp + s.dp) * cp) * tp + s.tp
+
+
+def _publish(stage: str, dst: str) -> None:
+    """Make ``stage`` durable and rename it to ``dst`` (replacing an existing ``dst``)."""
+    for root, dirs, _names in os.walk(stage):
+        _fsync_dir(root)
+    if os.path.isdir(dst) and os.listdir(dst):
+        old = dst + commit.OLD_SUFFIX
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(dst, old)
+        os.replace(stage, dst)
+        _fsync_dir(os.path.dirname(dst))
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        if os.path.isdir(dst):
+            os.rmdir(dst)
+        os.makedirs(os.path.dirname(dst) or ".", exist_ok=True)
+        os.replace(stage, dst)
+    _fsync_dir(os.path.dirname(dst))
+
+
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+# --- command line ---------------------------------------------------------------------------------------
+def add_arguments(p) -> None:
+    """The flags of NxD's converter, plus --overwrite and --trusted. Dashed spellings are accepted too."""
+    mode = p.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--convert_to_full", "--convert-to-full", action="store_true",
+                      help="merge the DP shards into one full_tp_rank_TT_pp_rank_PP.pt per (tp, pp)")
+    mode.add_argument("--convert_to_sharded", "--convert-to-sharded", action="store_true",
+                      help="re-shard to --dp_size DP ranks (input: dp_rank_* shards or full_* files)")
+    p.add_argument("--input_dir", "--input-dir", required=True, metavar="TAGDIR",
+                   help="the checkpoint tag to convert (contains optim/); it is never modified")
+    p.add_argument("--output_dir", "--output-dir", required=True, metavar="TAGDIR",
+                   help="the new tag to write (must not exist or be empty, unless --overwrite)")
+    p.add_argument("--dp_size", "--dp-size", type=int, metavar="N", help="the new DP size (with --convert_to_sharded)")
+    p.add_argument("--num_workers", "--num-workers", type=int, default=1, metavar="K",
+                   help="worker processes (default 1; each holds about one parameter's state at a time)")
+    p.add_argument("--overwrite", action="store_true", help="replace a non-empty --output_dir")
+    p.add_argument("--trusted", action="store_true",
+                   help="unpickle without weights_only restrictions (only for checkpoints from a trusted source)")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+
+
+EPILOG = """example:
+  nxd-ckpt convert-zero1 --input_dir ckpts/step_1000 --output_dir ckpts/step_1000_dp4 \\
+      --convert_to_sharded --dp_size 4 --num_workers 4
+  nxd-ckpt convert-zero1 --input_dir ckpts/step_1000 --output_dir /tmp/step_1000_full --convert_to_full
+"""
+
+
+def run_from_args(args) -> ConvertResult:
+    if args.convert_to_sharded and args.dp_size is None:
+        raise CheckpointArgumentError("--convert_to_sharded needs --dp_size N (the new data-parallel size)")
+    return convert_zero1(args.input_dir, args.output_dir, to_full=args.convert_to_full, dp_size=args.dp_size,
+                         num_workers=args.num_workers, overwrite=args.overwrite, trusted=args.trusted)

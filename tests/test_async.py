@@ -1,0 +1,174 @@
+"""Async save behaviour (never timed): what blocks, what is captured when, errors on every rank."""
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+import torch
+
+from harness import run_ranks
+from tiny_models import TinyShard, all_files, assert_bit_equal, sync, to_cpu_state, train_steps, xla_device
+
+
+@pytest.fixture
+def clean_hook():
+    from nxd_ckpt.storage import set_write_hook
+
+    yield set_write_hook
+    set_write_hook(None)
+
+
+def _wait_for(pred, timeout=60.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def test_call_returns_before_any_file_exists(tmp_path, clean_hook):
+    import nxd_ckpt
+
+    gate = threading.Event()
+    clean_hook(lambda rel: gate.wait(60))
+    model = TinyShard().to(xla_device())
+    root = str(tmp_path / "ckpt")
+    nxd_ckpt.save_checkpoint(root, "a", model=model, async_save=True)
+    assert not os.path.exists(os.path.join(root, "a")), "files appeared before the writers were released"
+    assert nxd_ckpt.list_checkpoints(root) == []
+    gate.set()
+    nxd_ckpt.finalize_checkpoint()
+    assert nxd_ckpt.list_checkpoints(root) == ["a"]
+
+
+def test_done_appears_without_a_further_save(tmp_path):
+    import nxd_ckpt
+
+    model = TinyShard().to(xla_device())
+    root = str(tmp_path / "ckpt")
+    nxd_ckpt.save_checkpoint(root, "a", model=model, async_save=True)
+    assert _wait_for(lambda: os.path.exists(os.path.join(root, "a", "done")))
+    nxd_ckpt.finalize_checkpoint()
+
+
+def test_later_mutations_do_not_reach_the_files(tmp_path, clean_hook):
+    import nxd_ckpt
+
+    gate = threading.Event()
+    clean_hook(lambda rel: gate.wait(60))
+    dev = xla_device()
+    model = TinyShard().to(dev)
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    train_steps(model, opt, 1, seed=7)
+    user = {"step": 1, "items": [1, 2]}
+    expect_model, expect_opt = to_cpu_state(model.state_dict()), to_cpu_state(opt.state_dict())
+    root = str(tmp_path / "ckpt")
+    nxd_ckpt.save_checkpoint(root, "a", model=model, optimizer=opt, user_content=user, async_save=True)
+    # mutate everything: device params in place, Adam's CPU step tensor, the user's dict
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(100.0)
+    sync()
+    for st in opt.state.values():
+        st["step"].add_(50)
+    user["step"] = 999
+    user["items"].append(3)
+    gate.set()
+    nxd_ckpt.finalize_checkpoint()
+    fresh = TinyShard(seed_offset=3).to(dev)
+    fresh_opt = torch.optim.Adam(fresh.parameters(), lr=0.1)
+    uc = nxd_ckpt.load_checkpoint(root, model=fresh, optimizer=fresh_opt)
+    assert uc == {"step": 1, "items": [1, 2]}
+    assert_bit_equal(expect_model, to_cpu_state(fresh.state_dict()))
+    assert_bit_equal(expect_opt, to_cpu_state(fresh_opt.state_dict()))
+
+
+def test_twenty_async_saves_keep_exactly_two(tmp_path):
+    import nxd_ckpt
+
+    model = TinyShard().to(xla_device())
+    root = str(tmp_path / "ckpt")
+    for i in range(20):
+        with torch.no_grad():
+            model.bias.add_(1.0)
+        nxd_ckpt.save_checkpoint(root, f"step_{i}", model=model, async_save=True, num_kept_ckpts=2)
+    nxd_ckpt.finalize_checkpoint()
+    assert nxd_ckpt.list_checkpoints(root) == ["step_19", "step_18"]
+    assert sorted(os.listdir(root)) == ["newest", "step_18", "step_19"]
+    fresh = TinyShard(seed_offset=1).to(xla_device())
+    nxd_ckpt.load_checkpoint(root, model=fresh)
+    assert_bit_equal(to_cpu_state(model.state_dict()), to_cpu_state(fresh.state_dict()))
+
+
+def test_small_budget_streams_and_stays_correct(tmp_path):
+    import nxd_ckpt
+
+    model = TinyShard(hidden=64).to(xla_device())
+    root = str(tmp_path / "ckpt")
+    # 64x64 float32 = 16 KiB per matrix: a 20 KiB budget forces one tensor at a time
+    nxd_ckpt.save_checkpoint(root, "a", model=model, async_save=True, host_memory_budget=20 << 10)
+    nxd_ckpt.finalize_checkpoint()
+    fresh = TinyShard(hidden=64, seed_offset=1).to(xla_device())
+    nxd_ckpt.load_checkpoint(root, model=fresh)
+    assert_bit_equal(to_cpu_state(model.state_dict()), to_cpu_state(fresh.state_dict()))
+
+
+def test_device_snapshot_mode(tmp_path):
+    import nxd_ckpt
+
+    dev = xla_device()
+    model = TinyShard().to(dev)
+    expect = to_cpu_state(model.state_dict())
+    root = str(tmp_path / "ckpt")
+    nxd_ckpt.save_checkpoint(root, "a", model=model, async_save=True, device_snapshot=True)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(3.0)
+    sync()
+    nxd_ckpt.finalize_checkpoint()
+    fresh = TinyShard(seed_offset=1).to(dev)
+    nxd_ckpt.load_checkpoint(root, model=fresh)
+    assert_bit_equal(expect, to_cpu_state(fresh.state_dict()))
+
+
+# ---- a write error on one rank of four ---------------------------------------------------------------
+def _failing_rank(rank, world, root):
+    import nxd_ckpt
+    from nxd_ckpt.storage import set_write_hook
+
+    model = TinyShard(seed_offset=rank).to(xla_device())
+    nxd_ckpt.save_checkpoint(root, "good", model={"w": model.up}, async_save=True)
+    nxd_ckpt.finalize_checkpoint()
+
+    def hook(rel):
+        if rank == 2 and ".tensors/" in rel:
+            raise OSError(28, "No space left on device (injected)")
+
+    set_write_hook(hook)
+    state = {f"t{i}": torch.full((16,), float(i)).to(xla_device()) for i in range(8)}  # 2 files per rank
+    nxd_ckpt.save_checkpoint(root, "bad", model=state, async_save=True)
+    try:
+        nxd_ckpt.finalize_checkpoint()
+    except nxd_ckpt.RankFailureError as exc:
+        set_write_hook(None)
+        # raised exactly once
+        nxd_ckpt.finalize_checkpoint()
+        return {"causes": {int(k): v for k, v in exc.causes.items()}, "msg": str(exc)}
+    return None
+
+
+def test_write_error_on_one_rank_raises_on_all(tmp_path):
+    import nxd_ckpt
+
+    root = str(tmp_path / "ckpt")
+    results = run_ranks(_failing_rank, 4, root, timeout=180)
+    for r, res in enumerate(results):
+        assert res is not None, f"rank {r} did not raise"
+        assert list(res["causes"]) == [2], res
+        assert "No space left on device" in res["causes"][2]
+        assert "rank 2" in res["msg"]
+    assert nxd_ckpt.list_checkpoints(root) == ["good"]
+    assert not os.path.exists(os.path.join(root, "bad"))

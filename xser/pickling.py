@@ -1,0 +1,172 @@
+"""Writing and safely reading the pickles of an xser checkpoint (ref, tensor and info files).
+
+Writing: ``TensorReference`` is pickled under torch-xla's name so torch-xla's ``load`` reads our files, even
+when torch-xla is not installed (a pure-Python pickler writes the GLOBAL opcode itself).
+
+Reading: ``torch.load(weights_only=True)`` with torch-xla's class name allowlisted and mapped to ours. A pickle
+that would import or call anything else raises ``UnsafeCheckpointError`` before anything runs.
+``trusted=True`` switches to a full unpickler, which still maps torch-xla's class name to ours.
+"""
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import re
+import types
+import zipfile
+from typing import Any, Optional
+
+import torch
+
+from .errors import CorruptFileError, MissingFileError, UnsafeCheckpointError, XserError
+from .refs import TORCH_XLA_MODULE, TORCH_XLA_NAME, TensorReference
+
+_GLOBAL_OPCODE = pickle.GLOBAL + f"{TORCH_XLA_MODULE}\n{TORCH_XLA_NAME}\n".encode("ascii")
+_SAFE_ENTRIES = [(TensorReference, f"{TORCH_XLA_MODULE}.{TORCH_XLA_NAME}"), TensorReference]
+_TRUST_HINT = "pass trusted=True only if the file comes from a trusted source"
+
+
+class _RefPickler(pickle._Pickler):
+    """Pure-Python pickler that writes our TensorReference class as torch-xla's global."""
+
+    def save_global(self, obj, name=None):
+        if obj is TensorReference:
+            self.write(_GLOBAL_OPCODE)
+            self.memoize(obj)
+            return
+        super().save_global(obj, name)
+
+
+class _RefUnpickler(pickle.Unpickler):
+    """Full (trusted) unpickler that resolves torch-xla's TensorReference to ours."""
+
+    def find_class(self, module, name):
+        if (module, name) == (TORCH_XLA_MODULE, TORCH_XLA_NAME):
+            return TensorReference
+        return super().find_class(module, name)
+
+
+def _make_pickle_module() -> types.ModuleType:
+    """A module object for torch.save/torch.load's ``pickle_module`` argument."""
+    mod = types.ModuleType("xser._ref_pickle")
+    mod.Pickler = _RefPickler
+    mod.Unpickler = _RefUnpickler
+    mod.dump = lambda obj, f, protocol=None, **kw: _RefPickler(f, protocol, **kw).dump(obj)
+    mod.load = lambda f, **kw: _RefUnpickler(f, **kw).load()
+    mod.UnpicklingError = pickle.UnpicklingError
+    mod.__version__ = "1"
+    return mod
+
+
+REF_PICKLE = _make_pickle_module()
+
+
+class _Flushable:
+    """Adds the no-op ``flush`` torch.save needs to a file object that only has ``write``."""
+
+    def __init__(self, raw):
+        self.write = raw.write
+
+    def flush(self) -> None:
+        pass
+
+
+def writable(dest):
+    """``dest`` as torch.save accepts it: a path, or a file object with ``write`` and ``flush``."""
+    if isinstance(dest, (str, bytes, os.PathLike)) or hasattr(dest, "flush"):
+        return dest
+    return _Flushable(dest)
+
+
+def dump_refs(ref_data: Any, fileobj) -> None:
+    """``torch.save`` of ref data (a path or a writable file object), TensorReference named as torch-xla's."""
+    torch.save(ref_data, writable(fileobj), pickle_module=REF_PICKLE)
+
+
+def describe(src) -> str:
+    """A name for a path or file object, for error messages."""
+    if isinstance(src, (str, bytes, os.PathLike)):
+        return os.fsdecode(src)
+    return str(getattr(src, "name", None) or f"<{type(src).__name__}>")
+
+
+def check_file(path: str, what: str = "file") -> None:
+    """Raise MissingFileError if ``path`` is missing or is a directory."""
+    if os.path.isdir(path):
+        raise MissingFileError(
+            f"{path} is a directory; pass the ref file (e.g. .../dp_rank_00_tp_rank_00_pp_rank_00.pt), "
+            f"not a folder", path=path)
+    if not os.path.exists(path):
+        raise MissingFileError(f"{what} {path} does not exist; check the path (the checkpoint may be "
+                               f"incomplete or not copied entirely)", path=path)
+
+
+def load_pickle(src, *, trusted: bool = False, name: Optional[str] = None, map_location="cpu") -> Any:
+    """``torch.load`` of a path or file object, safely unless ``trusted``; errors become XserErrors."""
+    label = name or describe(src)
+    if isinstance(src, (str, bytes, os.PathLike)):
+        check_file(os.fsdecode(src))
+    try:
+        if trusted:
+            return torch.load(src, map_location=map_location, weights_only=False, pickle_module=REF_PICKLE)
+        # add_safe_globals, not the safe_globals context manager: its exit would race with loads on
+        # other threads. Allowlisting this plain data class for the whole process is harmless.
+        torch.serialization.add_safe_globals(_SAFE_ENTRIES)
+        return torch.load(src, map_location=map_location, weights_only=True)
+    except XserError:
+        raise
+    except IsADirectoryError as exc:
+        raise MissingFileError(f"{label} is a directory; pass the ref file, not a folder", path=label) from exc
+    except FileNotFoundError as exc:
+        raise MissingFileError(f"{label} does not exist; check the path", path=label) from exc
+    except pickle.UnpicklingError as exc:
+        raise _classify(str(exc), label, trusted) from exc
+    except ImportError as exc:
+        raise XserError(f"{label} needs module {exc.name!r} to be unpickled; install it, or load the file "
+                        f"where it is installed", path=label) from exc
+    except (RuntimeError, EOFError, ValueError, TypeError, KeyError, IndexError, AttributeError,
+            zipfile.BadZipFile, pickle.PickleError) as exc:
+        raise _corrupt(label, _short(exc)) from exc
+
+
+_GLOBAL_RE = re.compile(r"GLOBAL ([\w.]+)")
+_REFUSED_RE = re.compile(r"(Trying to call reduce for unrecognized function[^\n]*|Can only (?:create new object|"
+                         r"build)[^\n]*|Unsupported operand[^\n]*|WeightsUnpickler error:[^\n]*\w[^\n]*)")
+
+
+def _classify(message: str, label: str, trusted: bool) -> XserError:
+    """UnsafeCheckpointError when torch refused a global or a call, else CorruptFileError."""
+    if not trusted:
+        m = _GLOBAL_RE.search(message)
+        if m:
+            glob = m.group(1)
+            return UnsafeCheckpointError(
+                f"{label}: refusing to load: the pickle imports `{glob}`, which is not tensor data and could "
+                f"run arbitrary code (nothing was executed); {_TRUST_HINT}", path=label, global_name=glob)
+        m = _REFUSED_RE.search(message)
+        detail = m.group(1).strip() if m else _short(message)
+        if "reduce for" in detail or "Can only" in detail:
+            return UnsafeCheckpointError(
+                f"{label}: refusing to load: {detail} (nothing was executed); {_TRUST_HINT}", path=label)
+        return _corrupt(label, detail, hint=f"if it is a valid pickle that the safe loader refuses, {_TRUST_HINT}")
+    return _corrupt(label, _short(message))
+
+
+def _corrupt(label: str, detail: str, hint: str = "") -> CorruptFileError:
+    msg = (f"{label} is truncated or corrupt ({detail}); restore it from a complete copy of the checkpoint or "
+           f"re-save it")
+    return CorruptFileError(msg + (f"; {hint}" if hint else ""), path=label)
+
+
+def _short(exc) -> str:
+    text = str(exc).strip()
+    if isinstance(exc, BaseException):
+        text = f"{type(exc).__name__}: {text}" if text else f"{type(exc).__name__}: file ends early"
+    lines = text.splitlines() or ["(no message)"]
+    return lines[0][:300]
+
+
+def loads_pickle(data: bytes, **kw) -> Any:
+    """``load_pickle`` of in-memory bytes."""
+    return load_pickle(io.BytesIO(data), **kw)
