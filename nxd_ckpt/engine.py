@@ -225,5 +225,18 @@ def get_engine() -> Engine:
     with _ENGINE_LOCK:
         if _ENGINE is None:
             _ENGINE = Engine()
-            atexit.register(_ENGINE.shutdown_at_exit)
+            _register_exit_wait(_ENGINE.shutdown_at_exit)
         return _ENGINE
+
+
+def _register_exit_wait(fn) -> None:
+    """Run ``fn`` at interpreter exit *before* concurrent.futures refuses new work: its own hook is a
+    threading-shutdown hook, and those run in reverse order of registration, before atexit handlers."""
+    register = getattr(threading, "_register_atexit", None)
+    if register is None:
+        atexit.register(fn)
+        return
+    try:
+        register(fn)
+    except RuntimeError:  # already shutting down
+        atexit.register(fn)

@@ -172,6 +172,8 @@ class _Shard:
         self.flat, self.skipped = _flatten(data)
         self.info = (reader.info(rel) or {}) if xser_folder else {}
         self.meta = {}
+        # tid of each inline tensor (non-xser shards): the order xser.to_refs gives, as the manifest uses
+        self.tid_of_obj = {} if xser_folder else {id(t): tid for tid, t in enumerate(xser.to_refs(data)[1])}
         if manifest is not None:
             for tid, m in manifest.get("tensors", {}).get(rel, {}).items():
                 self.meta[int(tid)] = m
@@ -189,7 +191,10 @@ class _Shard:
                     part = (int(m.get("partition_dim", 0)), int(m.get("partition_stride", 1)))
         else:
             dtype, shape = ref.dtype, tuple(ref.shape)
-            if getattr(ref, "tensor_model_parallel", False):
+            m = self.meta.get(self.tid_of_obj.get(id(ref), -1), {})
+            if m.get("tensor_model_parallel"):
+                part = (int(m.get("partition_dim", 0)), int(m.get("partition_stride", 1)))
+            elif getattr(ref, "tensor_model_parallel", False):
                 part = (int(getattr(ref, "partition_dim", 0)), int(getattr(ref, "partition_stride", 1)))
         return Leaf(self.rel, ref, dtype, shape, part)
 

@@ -203,6 +203,23 @@ def shard_tensor_meta(reader: CheckedReader, rel: str, manifest: Optional[dict],
     return out
 
 
+def _files_per_shard(folder: str) -> dict:
+    """{shard ref file name: (file count, bytes)} counting the ref, its .info.pt and its tensor files."""
+    out: dict = {}
+    for rel, full in _walk_files(folder):
+        if "/" in rel:
+            name = rel.split("/", 1)[0]
+            if name.endswith(layout.TENSORS_SUFFIX):
+                name = name[: -len(layout.TENSORS_SUFFIX)]
+        elif rel.endswith(layout.INFO_SUFFIX):
+            name = rel[: -len(layout.INFO_SUFFIX)]
+        else:
+            name = rel
+        n, b = out.get(name, (0, 0))
+        out[name] = (n + 1, b + os.path.getsize(full))
+    return out
+
+
 def describe(tagdir: str, tensors: bool = False, trusted: bool = False) -> dict:
     """Everything `nxd-ckpt info` shows about one tag."""
     tagdir = os.path.abspath(tagdir)
@@ -230,14 +247,11 @@ def describe(tagdir: str, tensors: bool = False, trusted: bool = False) -> dict:
     for folder in (layout.MODEL_DIR, layout.OPTIM_DIR):
         fpath = os.path.join(tagdir, folder)
         xser_folder = layout.folder_is_xser(fpath)
+        per_shard = _files_per_shard(fpath)
         for name in shard_refs(fpath):
             rel = f"{folder}/{name}"
             coords = layout.parse_shard_filename(name) or layout.parse_full_filename(name)
-            nfiles, nbytes = 0, 0
-            for r, full in _walk_files(fpath):
-                if r == name or r.startswith(name + layout.TENSORS_SUFFIX + "/") or r == name + layout.INFO_SUFFIX:
-                    nfiles += 1
-                    nbytes += os.path.getsize(full)
+            nfiles, nbytes = per_shard.get(name, (0, 0))
             row = {"file": rel, "kind": folder, "dp": coords.dp if coords.dp >= 0 else "full", "tp": coords.tp,
                    "pp": coords.pp, "ep": coords.ep, "files": nfiles, "bytes": nbytes}
             try:

@@ -216,8 +216,21 @@ def apply_ignore_keys(state: dict, ignore_keys: IgnoreKeys) -> List[str]:
     if "model" in state and isinstance(state["model"], dict):
         state["model"] = {k: v for k, v in state["model"].items() if not _matches(f"model/{k}", patterns)}
     if "optim" in state and isinstance(state["optim"], dict):
-        state["optim"] = _drop_paths(state["optim"], "optim", patterns)
+        state["optim"] = _drop_optim_paths(state["optim"], patterns)
     return patterns
+
+
+def _drop_optim_paths(osd: dict, patterns) -> dict:
+    """Ignored top-level sections (e.g. ``optim/state``) become empty, so the optimizer keeps its shape;
+    ignored nested entries (e.g. ``optim/state/3``) are removed."""
+    out = type(osd)()
+    for k, v in osd.items():
+        if _matches(f"optim/{k}", patterns):
+            if isinstance(v, dict):
+                out[k] = type(v)()
+            continue
+        out[k] = _drop_paths(v, f"optim/{k}", patterns)
+    return out
 
 
 def _drop_paths(obj, prefix: str, patterns):
@@ -267,6 +280,12 @@ def check_optimizer(optimizer, osd, saved_zero1: bool, tag: str) -> None:
         raise StateMismatchError(
             f"checkpoint {tag!r} holds a plain (replicated) optimizer state but the optimizer is ZeRO-1 "
             f"({type(optimizer).__name__}); load it into a plain optimizer or call load_checkpoint without optimizer=")
+    if isinstance(optimizer, torch.optim.Optimizer):
+        missing = [k for k in ("state", "param_groups") if k not in osd]
+        if missing:
+            raise StateMismatchError(
+                f"checkpoint {tag!r} optimizer state has no {missing} (removed by ignore_keys?); a torch optimizer "
+                "needs both; ignore 'optim/state/*' entries instead of whole sections")
     if not isinstance(optimizer, dict) and hasattr(optimizer, "param_groups") and "param_groups" in osd:
         have = [len(g["params"]) for g in osd["param_groups"]]
         want = [len(g["params"]) for g in optimizer.param_groups]

@@ -398,6 +398,13 @@ def convert_zero1(input_dir: str, output_dir: str, *, to_full: bool = False, dp_
     g_out = 1 if to_full else dp_size
     out_prefix = f"{layout.OPTIM_DIR}/" if tag_mode else ""
     xser_in = layout.folder_is_xser(os.path.join(in_root, in_folder))
+    plain_reader = reader
+    if not xser_in:
+        # Check each plain (torch.save) input file once, streaming; then read them memory-mapped unchecked.
+        for files in groups_in.values():
+            for name in files.values():
+                reader.check_file(in_prefix + name)
+        plain_reader = CheckedReader(in_root, None, trusted)
 
     groups: List[Group] = []
     for key in sorted(groups_in, key=lambda k: (k[0] or 0, k[1], k[2])):
@@ -410,7 +417,7 @@ def convert_zero1(input_dir: str, output_dir: str, *, to_full: bool = False, dp_
             out_rels = [out_prefix + layout.shard_filename(d, tp, pp, ep) for d in range(g_out)]
         grp = Group(layout.ShardName(0, tp, pp, ep), in_rels, out_rels)
         grp.sources = [reader.refs(r) if xser_in else None for r in in_rels]
-        first = grp.sources[0] if xser_in else reader.plain(in_rels[0], mmap=True)
+        first = grp.sources[0] if xser_in else plain_reader.plain(in_rels[0], mmap=True)
         grp.template, grp.slots, grp.shape_info = build_template(first, reader.path(in_rels[0]))
         if xser_in:
             for j, s in enumerate(grp.sources[1:], 1):
@@ -428,18 +435,14 @@ def convert_zero1(input_dir: str, output_dir: str, *, to_full: bool = False, dp_
     try:
         if tag_mode:
             out.write_file(layout.CHECKPOINT_MARKER, lambda f: f.write(b"1"))
-        ctx = _WorkerContext(in_root, manifest, trusted, stage)
-        if not xser_in:
-            # Check each plain input file once here; the workers then read them memory-mapped unchecked.
-            for grp in groups:
-                for rel in grp.in_rels:
-                    reader.check_file(rel)
-            ctx = _WorkerContext(in_root, None, trusted, stage)
+        ctx = _WorkerContext(in_root, manifest if xser_in else None, trusted, stage)
         if xser_in:
             _convert_xser(groups, g_in, full_in, g_out, to_full, ctx, reader, out, records, optim_tensors,
                           num_workers, progress)
         else:
             _convert_plain(groups, g_in, full_in, g_out, to_full, ctx, records, optim_tensors, num_workers, progress)
+        _fsync_files(stage, [rel for rel in records])
+        written = list(records.values())
         linked = copied = 0
         if tag_mode:
             linked, copied = _copy_rest(src, stage, manifest, records)
@@ -450,7 +453,6 @@ def convert_zero1(input_dir: str, output_dir: str, *, to_full: bool = False, dp_
         shutil.rmtree(stage, ignore_errors=True)
         raise
     nparams = sum(len(g.shape_info) for g in groups)
-    written = [r for r in records.values()]
     return ConvertResult(dst, None if full_in else g_in, None if to_full else g_out, xser_in, len(groups), nparams,
                          sum(r.size for r in written), len(written), linked, copied)
 
@@ -490,7 +492,7 @@ def _run_unit(unit: dict) -> List[tuple]:
     for label, specs, tid in unit["keys"]:
         for r, piece in stream_pieces(geo, lambda j: _load_leaf(reader, specs[j])):
             rel = layout.tensor_path(unit["out_rels"][r], tid)
-            rec = out.write_file(rel, lambda f, t=piece: xser.write_tensor(t, f))
+            rec = out.write_file(rel, lambda f, t=piece: xser.write_tensor(t, f), durable=False)
             results.append((rel, rec.size, rec.crc32c, unit["out_rels"][r], tid, str(piece.dtype).replace("torch.", ""),
                             list(piece.shape)))
             del piece
@@ -602,15 +604,15 @@ def _convert_xser(groups: List[Group], g_in: int, full_in: bool, g_out: int, ful
                 t = s.leaf
             for out_rel in grp.out_rels:
                 rel = layout.tensor_path(out_rel, tid)
-                records[rel] = out.write_file(rel, lambda f, t=t: xser.write_tensor(t, f))
+                records[rel] = out.write_file(rel, lambda f, t=t: xser.write_tensor(t, f), durable=False)
                 written.setdefault(out_rel, {})[tid] = (str(t.dtype).replace("torch.", ""), list(t.shape))
         for out_rel in grp.out_rels:
             metas = written.get(out_rel, {})
             info = {tid: {"dtype": getattr(torch, d), "shape": torch.Size(shape), "expert_model_parallel": False}
                     for tid, (d, shape) in sorted(metas.items())}
-            records[layout.info_path(out_rel)] = out.write_file(layout.info_path(out_rel),
-                                                                lambda f, info=info: torch.save(info, f))
-            records[out_rel] = out.write_file(out_rel, lambda f: xser.dump_refs(ref_data, f))
+            records[layout.info_path(out_rel)] = out.write_file(
+                layout.info_path(out_rel), lambda f, info=info: torch.save(info, f), durable=False)
+            records[out_rel] = out.write_file(out_rel, lambda f: xser.dump_refs(ref_data, f), durable=False)
             optim_tensors[out_rel] = {
                 str(tid): {"dtype": d, "shape": shape, "key": "/".join(map(str, slot_of_tid[tid].path))}
                 for tid, (d, shape) in sorted(metas.items())}
@@ -650,7 +652,7 @@ def _run_plain_unit(unit: dict) -> List[tuple]:
         return v
 
     state = _fill(tpl, value)
-    rec = out.write_file(unit["out_rel"], lambda f: torch.save(state, f))
+    rec = out.write_file(unit["out_rel"], lambda f: torch.save(state, f), durable=False)
     return [(unit["out_rel"], rec.size, rec.crc32c, metas)]
 
 
@@ -793,6 +795,22 @@ def _publish(stage: str, dst: str) -> None:
         os.makedirs(os.path.dirname(dst) or ".", exist_ok=True)
         os.replace(stage, dst)
     _fsync_dir(os.path.dirname(dst))
+
+
+def _fsync_files(root: str, rels: List[str]) -> None:
+    """Make the files written without fsync durable (the kernel has been writing them back meanwhile, so
+    this overlaps disk writes with the conversion instead of waiting for each file)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def sync(rel):
+        fd = os.open(os.path.join(root, rel), os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        list(pool.map(sync, rels))
 
 
 def _fsync_dir(path: str) -> None:

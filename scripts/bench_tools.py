@@ -19,7 +19,6 @@ import argparse
 import json
 import math
 import os
-import resource
 import shutil
 import subprocess
 import sys
@@ -125,11 +124,25 @@ def build_zero1(root: str, tag: str, dp: int, shapes) -> dict:
     return {"optim_bytes": optim_bytes, "files": len(files)}
 
 
+def _pss(proc) -> int:
+    """Proportional set size (shared library pages split between the processes that map them), else RSS.
+    Summing RSS over a worker pool would count torch's shared libraries once per worker."""
+    try:
+        return proc.memory_full_info().pss
+    except (psutil.Error, AttributeError):
+        return proc.memory_info().rss
+
+
 def run_measured(cmd, env=None) -> dict:
-    """Run ``cmd``; return wall time, peak RSS of the process tree (sampled) and ru_maxrss of children."""
-    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    """Run ``cmd``; return wall time, peak memory of its process tree (psutil samples of the summed PSS, counted
+    only once the child has exec'd so the forked copy of this process is not measured) and GNU time's maximum
+    RSS (of the largest single process) when available."""
+    timefile = tempfile.NamedTemporaryFile(prefix="nxd_bench_time_", delete=False)
+    timefile.close()
+    gnu_time = shutil.which("time") or ("/usr/bin/time" if os.path.exists("/usr/bin/time") else None)
+    full_cmd = [gnu_time, "-f", "%M", "-o", timefile.name, *cmd] if gnu_time else list(cmd)
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    proc = subprocess.Popen(full_cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
     peak = [0]
     stop = threading.Event()
 
@@ -140,7 +153,10 @@ def run_measured(cmd, env=None) -> dict:
             return
         while not stop.is_set():
             try:
-                total = p.memory_info().rss + sum(c.memory_info().rss for c in p.children(recursive=True))
+                if p.cmdline()[-len(cmd):] != list(cmd):
+                    time.sleep(0.002)  # not exec'd yet: this is a forked copy of the benchmark itself
+                    continue
+                total = sum(_pss(q) for q in [p] + p.children(recursive=True))
                 peak[0] = max(peak[0], total)
             except psutil.Error:
                 pass
@@ -152,11 +168,16 @@ def run_measured(cmd, env=None) -> dict:
     wall = time.perf_counter() - t0
     stop.set()
     th.join()
-    after = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    maxrss = None
+    if gnu_time:
+        try:
+            maxrss = int(open(timefile.name).read().split()[-1]) * 1024
+        except (OSError, ValueError, IndexError):
+            maxrss = None
+    os.unlink(timefile.name)
     if proc.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed ({proc.returncode}):\n{err.decode()}")
-    return {"wall_s": wall, "peak_rss_sampled": peak[0], "ru_maxrss_children": max(after, before) * 1024,
-            "stdout": out.decode()}
+    return {"wall_s": wall, "peak_rss_sampled": peak[0], "maxrss_time": maxrss, "stdout": out.decode()}
 
 
 def disk_baseline(folder: str, nbytes: int, block: int = 64 * MB) -> dict:
@@ -265,13 +286,13 @@ def main(argv=None) -> int:
         res["largest_param_full_state_bytes"] = largest * 4 * 3
         startup = run_measured([sys.executable, "-c", "import nxd_ckpt.cli, nxd_ckpt.zero1"], env)
         res["python_startup_s"] = startup["wall_s"]
-        res["baseline_rss"] = max(startup["peak_rss_sampled"], startup["ru_maxrss_children"])
+        res["baseline_rss"] = max(startup["peak_rss_sampled"], startup["maxrss_time"] or 0)
         conv = run_measured([sys.executable, "-m", "nxd_ckpt.cli", "convert-zero1", "--input_dir",
                              os.path.join(work, "src"), "--output_dir", os.path.join(work, "dp2"),
                              "--convert_to_sharded", "--dp_size", "2", "--num_workers", str(args.num_workers)], env)
         res["convert_s"] = conv["wall_s"]
         res["convert_peak_rss_sampled"] = conv["peak_rss_sampled"]
-        res["convert_ru_maxrss"] = conv["ru_maxrss_children"]
+        res["convert_maxrss_time"] = conv["maxrss_time"]
         out_bytes = sum(os.path.getsize(os.path.join(r, f)) for r, _d, fs in os.walk(os.path.join(work, "dp2", "optim"))
                         for f in fs)
         res["output_optim_bytes"] = out_bytes
@@ -282,7 +303,7 @@ def main(argv=None) -> int:
         res["disk_read_write_s"] = disk["read_s"] + disk["write_s"]
         res["rss_limit"] = 2 * res["largest_param_full_state_bytes"] + 300 * MB
         res["time_limit_s"] = 1.5 * res["disk_read_write_s"]
-        peak = max(res["convert_peak_rss_sampled"], res["convert_ru_maxrss"])
+        peak = max(res["convert_peak_rss_sampled"], res["convert_maxrss_time"] or 0)
         res["rss_ok"] = peak <= res["rss_limit"]
         res["rss_over_baseline"] = peak - res["baseline_rss"]
         res["rss_over_baseline_ok"] = res["rss_over_baseline"] <= 2 * res["largest_param_full_state_bytes"]
@@ -328,8 +349,8 @@ def main(argv=None) -> int:
         ("convert-zero1 wall time", f"{res['convert_s']:.2f} s (startup {res['python_startup_s']:.2f} s)",
          f"limit {res['time_limit_s']:.2f} s: {'OK' if res['time_ok'] else 'OVER'}"
          + ("" if res["time_ok"] else f" (excl. startup: {'OK' if res['time_ok_excluding_startup'] else 'OVER'})")),
-        ("convert-zero1 peak RSS (tree / ru_maxrss)",
-         f"{gb(res['convert_peak_rss_sampled'])} / {gb(res['convert_ru_maxrss'])}",
+        ("convert-zero1 peak memory (tree PSS / max RSS)",
+         f"{gb(res['convert_peak_rss_sampled'])} / {gb(res['convert_maxrss_time'] or 0)}",
          f"limit {gb(res['rss_limit'])}: {'OK' if res['rss_ok'] else 'OVER'}"),
         ("  baseline (python + torch import) / above it",
          f"{gb(res['baseline_rss'])} / {gb(res['rss_over_baseline'])}",

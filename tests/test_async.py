@@ -172,3 +172,21 @@ def test_write_error_on_one_rank_raises_on_all(tmp_path):
         assert "rank 2" in res["msg"]
     assert nxd_ckpt.list_checkpoints(root) == ["good"]
     assert not os.path.exists(os.path.join(root, "bad"))
+
+
+def test_exit_waits_for_the_save_in_flight(tmp_path):
+    """A script that returns right after an async save still leaves a complete checkpoint."""
+    import subprocess
+    import sys
+
+    root = tmp_path / "ckpt"
+    code = (
+        "import sys, torch; sys.path.insert(0, %r)\n"
+        "import nxd_ckpt\n"
+        "from nxd_ckpt.storage import set_write_hook\n"
+        "import time\n"
+        "set_write_hook(lambda rel: time.sleep(0.05))\n"
+        "nxd_ckpt.save_checkpoint(%r, 'last', model={'w': torch.arange(10.0)}, async_save=True)\n"
+    ) % (os.path.dirname(__file__), str(root))
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+    assert (root / "last" / "done").exists()

@@ -49,12 +49,13 @@ def shard(full, attr, rank, tp=TP):
     return torch.cat([blocks[rank + k * tp] for k in range(stride)], dim=dim).clone()
 
 
-def tp_pp_tag(root, tag="step_5", *, manifest=True, info_partition=True, stages=None, attrs=None):
+def tp_pp_tag(root, tag="step_5", *, manifest=True, info_partition=True, stages=None, attrs=None, use_xser=True):
     if stages is None:
         stages, attrs = full_model()
     model = {(t, p): {k: shard(v, attrs.get(k), t) for k, v in sd.items()} for p, sd in enumerate(stages)
              for t in range(TP)}
     path = write_tag(str(root), tag, model=model, attrs=attrs, manifest=manifest, info_partition=info_partition,
+                     use_xser=use_xser,
                      topology={"world_size": 4, "tp": 2, "pp": 2, "dp": 1, "cp": 1, "ep": 1})
     expected = {}
     for sd in stages:
@@ -79,6 +80,16 @@ def test_export_tp2_pp2_bit_exact(tmp_path, capsys):
     for k in expected:
         assert_bit_equal(expected[k], got[k], k)
     assert f"exported {len(expected)} tensors" in capsys.readouterr().out
+
+
+def test_export_plain_torch_save_shards(tmp_path):
+    tag, expected = tp_pp_tag(tmp_path / "ck", use_xser=False)
+    out = tmp_path / "hf"
+    assert main(["export", tag, "--output", str(out)]) == 0
+    got = load_file(str(out / "model.safetensors"))
+    assert sorted(got) == sorted(expected)
+    for k in expected:
+        assert_bit_equal(expected[k], got[k], k)
 
 
 def test_max_shard_size_writes_index_covering_every_tensor(tmp_path, capsys):

@@ -18,14 +18,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _build(ps, zero1: bool, seed_offset: int):
+def _build(ps, zero1, seed_offset: int):
     from nxd_ckpt.testing import ZeroOneAdam
 
     dev = xla_device()
     model = TinyShard(ps.get_tensor_model_parallel_rank(), seed_offset=seed_offset).to(dev)
     if zero1:
         opt = ZeroOneAdam(model.parameters(), lr=0.05, dp_group=ps.get_data_parallel_host_group(),
-                          dp_rank=ps.get_data_parallel_rank(), dp_size=ps.get_data_parallel_size())
+                          dp_rank=ps.get_data_parallel_rank(), dp_size=ps.get_data_parallel_size(),
+                          save_master_weights=zero1 != "no-master")
     else:
         opt = torch.optim.Adam(model.parameters(), lr=0.05)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s)) if not zero1 else None
@@ -52,7 +53,7 @@ def _resume_rank(rank, world, root, port2, zero1, async_save):
     model, opt, sched = _build(ps, zero1, 0)
     _train(ps, model, opt, sched, K, 0, zero1)
     nxd_ckpt.save_checkpoint(root, f"step_{K}", model=model, optimizer=opt, scheduler=sched,
-                             user_content={"step": K}, async_save=async_save, zero1_optimizer=zero1)
+                             user_content={"step": K}, async_save=async_save, zero1_optimizer=bool(zero1))
     nxd_ckpt.finalize_checkpoint()
     del model, opt, sched
 
@@ -74,6 +75,7 @@ def _resume_rank(rank, world, root, port2, zero1, async_save):
     return True
 
 
-@pytest.mark.parametrize("zero1,async_save", [(False, False), (True, True)], ids=["adam-sync", "zero1-async"])
+@pytest.mark.parametrize("zero1,async_save", [(False, False), (True, True), ("no-master", True)],
+                         ids=["adam-sync", "zero1-async", "zero1-without-master-weights"])
 def test_resume_equals_uninterrupted(tmp_path, zero1, async_save):
     run_ranks(_resume_rank, 4, str(tmp_path / "ckpt"), _free_port(), zero1, async_save, timeout=240)

@@ -43,13 +43,19 @@ def _layout_rank(rank, world, root, tp, pp, use_xser):
     fresh = TinyShard(ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(), seed_offset=5).to(dev)
     fresh_opt = torch.optim.Adam(fresh.parameters(), lr=0.5)
     fresh_sched = torch.optim.lr_scheduler.StepLR(fresh_opt, step_size=1, gamma=0.5)
+    from nxd_ckpt import reader
+
+    reads = []
+    original = reader.FileReader.read
+    reader.FileReader.read = lambda self, rel: (reads.append(rel), original(self, rel))[1]
     uc = nxd_ckpt.load_checkpoint(root, model=fresh, optimizer=fresh_opt, scheduler=fresh_sched)
+    reader.FileReader.read = original
     assert uc == {"step": 2, "note": "hi"}
     assert all(p.device.type == "xla" for p in fresh.parameters())
     assert_bit_equal(saved_model, to_cpu_state(fresh.state_dict()), "model")
     assert_bit_equal(saved_opt, to_cpu_state(fresh_opt.state_dict()), "optim")
     assert fresh_sched.state_dict() == sched.state_dict()
-    return [w for w in written]
+    return {"writes": list(written), "reads": reads}
 
 
 def _expected_files(tp, pp, ntensors_model, ntensors_optim, use_xser, optim_dp=(0,)):
@@ -70,7 +76,8 @@ def _expected_files(tp, pp, ntensors_model, ntensors_optim, use_xser, optim_dp=(
 @pytest.mark.parametrize("use_xser", [True, False], ids=["xser", "plain"])
 def test_tp2_pp2_dp2_layout_and_reload(tmp_path, use_xser):
     root = str(tmp_path / "ckpt")
-    per_rank = run_ranks(_layout_rank, 8, root, 2, 2, use_xser, timeout=240)
+    results = run_ranks(_layout_rank, 8, root, 2, 2, use_xser, timeout=240)
+    per_rank = [r["writes"] for r in results]
     # model: up, down, bias, steps_seen; Adam: step, exp_avg, exp_avg_sq for 3 params
     assert all_files(root) == _expected_files(2, 2, 4, 9, use_xser)
     writes = [w for ws in per_rank for w in ws]
@@ -80,6 +87,10 @@ def test_tp2_pp2_dp2_layout_and_reload(tmp_path, use_xser):
         # the 13 tensor files of each (tp, pp) shard are spread over both DP replicas
         for r in range(8):
             assert any(".tensors/" in w for w in per_rank[r]), f"rank {r} wrote no tensor file"
+        # ... and on load each tensor file is read by exactly one replica of its DP group
+        tensor_reads = [rel for r in results for rel in r["reads"] if ".tensors/" in rel]
+        assert len(tensor_reads) == len(set(tensor_reads)) == 4 * 13
+        assert all(any(".tensors/" in rel for rel in r["reads"]) for r in results)
 
 
 def test_info_records_partition_attributes(tmp_path):

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
@@ -259,12 +258,36 @@ def test_incomplete_input_refused(tmp_path, capsys):
     _fails(capsys, ["--input_dir", src, "--output_dir", str(tmp_path / "o"), "--convert_to_full"], "'done'")
 
 
-def test_tools_script_runs(tmp_path):
+def test_tools_script_runs(tmp_path, capsys, monkeypatch):
+    import runpy
+
     src, full = zero1_tag(str(tmp_path), "t", dp=2)
     out = str(tmp_path / "o")
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "convert_zero1.py"), "--input_dir", src,
-                           "--output_dir", out, "--convert_to_sharded", "--dp_size", "3", "--json"],
-                          capture_output=True, text=True, env=dict(os.environ, PJRT_DEVICE="CPU"), timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    assert json.loads(proc.stdout)["output_dp"] == 3
+    script = os.path.join(ROOT, "tools", "convert_zero1.py")
+    monkeypatch.setattr(sys, "argv", [script, "--input_dir", src, "--output_dir", out, "--convert_to_sharded",
+                                      "--dp_size", "3", "--json"])
+    with pytest.raises(SystemExit) as exc:
+        runpy.run_path(script, run_name="__main__")
+    assert exc.value.code == 0
+    assert json.loads(capsys.readouterr().out)["output_dp"] == 3
     _expect_shards(out, full[(0, 0)], 3)
+
+
+def test_expert_parallel_file_names(tmp_path):
+    from nxd_ckpt.storage import LocalStorage
+    from test_cli_fixtures import write_shard
+
+    store = LocalStorage(str(tmp_path))
+    full = {e: full_zero1_params(seed=e) for e in range(2)}
+    for e in range(2):
+        for d, sd in enumerate(zero1_states(full[e], 2)):
+            write_shard(store, "ep", f"optim/{layout.shard_filename(d, 0, 0, e)}", sd)
+    store.write_file("ep/done", lambda f: f.write(b"1"))
+    out = str(tmp_path / "ep_dp4")
+    assert main(["convert-zero1", "--input_dir", str(tmp_path / "ep"), "--output_dir", out,
+                 "--convert_to_sharded", "--dp_size", "4"]) == 0
+    for e in range(2):
+        for r, want in enumerate(zero1_states(full[e], 4)):
+            assert_bit_equal(want, load_shard(out, f"optim/{layout.shard_filename(r, 0, 0, e)}"), f"ep {e} dp {r}")
+    topo = json.load(open(os.path.join(out, "manifest.json")))["topology"]
+    assert (topo["ep"], topo["dp"], topo["world_size"]) == (2, 8, 8)

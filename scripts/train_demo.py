@@ -1,0 +1,508 @@
+#!/usr/bin/env python
+"""A tiny tensor- and data-parallel transformer language model that checkpoints with nxd-ckpt.
+
+Run it under torchrun, one process per rank (CPU-XLA here, NeuronCores on Trn1):
+
+    PJRT_DEVICE=CPU python -m torch.distributed.run --standalone --nproc-per-node 4 \
+        scripts/train_demo.py --tp 2 --steps 40 --ckpt-every 10 --ckpt-dir /tmp/demo_ckpt --zero1
+
+What it does, as an NxD training script would:
+- a 2-layer decoder (embedding, causal self-attention + MLP blocks with layer norm, LM head) whose attention
+  QKV / MLP up / LM head are Megatron column-parallel linears and attention out / MLP down row-parallel,
+  with NxD's partition attributes (``tensor_model_parallel``, ``partition_dim``, ``partition_stride``);
+- data parallelism over the DP group (gradients averaged), Adam or, with ``--zero1``, Adam whose state is
+  sharded over DP in torch-xla's ZeRO-1 format; a warm-up + cosine LR schedule;
+- a deterministic synthetic token stream; its position and the step go into ``user_content``;
+- ``save_checkpoint(..., async_save=True)`` every ``--ckpt-every`` steps (and at the last step), and on
+  start ``load_checkpoint`` of the newest complete checkpoint, so a restarted job resumes by itself.
+
+Cross-rank communication (TP all-reduce, DP gradient averaging) goes over gloo on host tensors, because
+XLA collectives do not cross processes on the CPU PJRT device. On Trainium one would use the XLA
+collectives of the same groups; the checkpointing calls do not change.
+
+The training is deterministic: a run that is killed and resumed ends with the same bits as one that was
+not. ``--crash-at-step N`` SIGKILLs every rank right after the async save of step N returned, while that
+save is still being written (its writes are slowed by a write hook so it surely is in flight).
+Pipeline parallelism is not implemented in this model: ``--pp`` must be 1.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import signal
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:  # run from a checkout without installing
+    sys.path.insert(0, ROOT)
+
+os.environ.setdefault("PJRT_DEVICE", "CPU")
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--tp", type=int, default=2, help="tensor parallel size (DP = world size / TP)")
+    p.add_argument("--pp", type=int, default=1, help="pipeline parallel size; only 1 is supported by this model")
+    p.add_argument("--steps", type=int, default=40, help="train until this global step (counting resumed steps)")
+    p.add_argument("--ckpt-every", type=int, default=10, help="save every K steps (and at the last step); 0: never")
+    p.add_argument("--async", dest="async_save", action="store_true", default=True, help="async saves")
+    p.add_argument("--no-async", dest="async_save", action="store_false", help="synchronous saves")
+    p.add_argument("--num-kept", type=int, default=None, help="keep this many complete checkpoints (default all)")
+    p.add_argument("--ckpt-dir", required=True, help="checkpoint directory (shared by every rank)")
+    p.add_argument("--no-resume", action="store_true", help="start from scratch even if a checkpoint exists")
+    p.add_argument("--out", default=None, help="JSON report (rank 0): losses, save stats, final checksum")
+    p.add_argument("--crash-at-step", type=int, default=None,
+                   help="SIGKILL every rank right after the async save of this step returned, while it is in flight")
+    p.add_argument("--crash-write-delay", type=float, default=2.0,
+                   help="seconds each file write of the crash step's save is held back (keeps it in flight)")
+    p.add_argument("--dump-final", default=None, help="each rank writes its final model+optimizer state to FILE.rank<r>.pt")
+    p.add_argument("--zero1", action="store_true", help="ZeRO-1 (DP-sharded) Adam instead of replicated Adam")
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--total-steps", type=int, default=None, help="length of the LR schedule (default: --steps)")
+    p.add_argument("--global-batch", type=int, default=8, help="sequences per step over all DP ranks")
+    p.add_argument("--seq-len", type=int, default=32)
+    p.add_argument("--vocab", type=int, default=128)
+    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--ffn", type=int, default=256)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--num-workers", type=int, default=4, help="checkpoint writer threads per rank")
+    p.add_argument("--log-every", type=int, default=10, help="print the loss every N steps (rank 0)")
+    return p.parse_args(argv)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Tensor parallel building blocks (Megatron's f / g operators over a host gloo TP group)
+# ---------------------------------------------------------------------------------------------------------
+class TP:
+    group = None
+    size = 1
+    rank = 0
+
+
+def _host_all_reduce(x: torch.Tensor) -> torch.Tensor:
+    if TP.size == 1:
+        return x
+    h = x.detach().cpu()
+    dist.all_reduce(h, group=TP.group)
+    return h.to(x.device)
+
+
+def _host_all_gather_last(x: torch.Tensor) -> torch.Tensor:
+    if TP.size == 1:
+        return x
+    h = x.detach().cpu().contiguous()
+    parts = [torch.empty_like(h) for _ in range(TP.size)]
+    dist.all_gather(parts, h, group=TP.group)
+    return torch.cat(parts, dim=-1).to(x.device)
+
+
+class _CopyToTP(torch.autograd.Function):
+    """Megatron's f: identity forward, all-reduce of the gradient backward (input of a column-parallel layer)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _host_all_reduce(g)
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    """Megatron's g: all-reduce forward, identity backward (output of a row-parallel layer)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return _host_all_reduce(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
+class _GatherFromTP(torch.autograd.Function):
+    """All-gather along the last dim forward; backward keeps this rank's slice (column-parallel gather_output)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.width = x.shape[-1]
+        return _host_all_gather_last(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g[..., TP.rank * ctx.width:(TP.rank + 1) * ctx.width].contiguous()
+
+
+def _param(full: torch.Tensor, device, partition_dim=None) -> torch.nn.Parameter:
+    """This rank's slice of a full (CPU-initialized) tensor as a Parameter created on ``device``, with NxD's
+    partition attributes. Attributes go on after the Parameter exists on the device: Module.to(xla) would
+    replace the Parameter and drop them."""
+    if partition_dim is not None and TP.size > 1:
+        full = full.chunk(TP.size, dim=partition_dim)[TP.rank]
+    p = torch.nn.Parameter(full.contiguous().to(device))
+    if partition_dim is not None:
+        p.tensor_model_parallel = True
+        p.partition_dim = partition_dim
+        p.partition_stride = 1
+    return p
+
+
+class ColumnParallelLinear(torch.nn.Module):
+    """y = x W^T + b with W split along its output rows (partition_dim 0) over TP."""
+
+    def __init__(self, in_f, out_f, gen, device, gather_output=False, bias=True):
+        super().__init__()
+        assert out_f % TP.size == 0, f"{out_f} output features do not split over TP={TP.size}"
+        self.weight = _param(torch.randn(out_f, in_f, generator=gen) * in_f ** -0.5, device, 0)
+        self.bias = _param(torch.zeros(out_f), device, 0) if bias else None
+        self.gather_output = gather_output
+
+    def forward(self, x):
+        y = F.linear(_CopyToTP.apply(x), self.weight, self.bias)
+        return _GatherFromTP.apply(y) if self.gather_output else y
+
+
+class RowParallelLinear(torch.nn.Module):
+    """y = x W^T + b with W split along its input columns (partition_dim 1); partial sums all-reduced."""
+
+    def __init__(self, in_f, out_f, gen, device):
+        super().__init__()
+        assert in_f % TP.size == 0, f"{in_f} input features do not split over TP={TP.size}"
+        self.weight = _param(torch.randn(out_f, in_f, generator=gen) * in_f ** -0.5, device, 1)
+        self.bias = _param(torch.zeros(out_f), device)   # replicated, added after the reduction
+
+    def forward(self, x):
+        return _ReduceFromTP.apply(F.linear(x, self.weight)) + self.bias
+
+
+class LayerNorm(torch.nn.Module):
+    def __init__(self, n, device):
+        super().__init__()
+        self.weight = _param(torch.ones(n), device)
+        self.bias = _param(torch.zeros(n), device)
+
+    def forward(self, x):
+        return F.layer_norm(x, (x.shape[-1],), self.weight, self.bias)
+
+
+class Block(torch.nn.Module):
+    def __init__(self, cfg, gen, device):
+        super().__init__()
+        h, self.heads = cfg.hidden, cfg.heads
+        assert self.heads % TP.size == 0, f"{self.heads} heads do not split over TP={TP.size}"
+        self.local_heads = self.heads // TP.size
+        self.head_dim = h // self.heads
+        self.ln1 = LayerNorm(h, device)
+        # QKV rows laid out [head, (q|k|v), head_dim]: a contiguous TP slice holds whole heads.
+        self.qkv = ColumnParallelLinear(h, 3 * h, gen, device)
+        self.proj = RowParallelLinear(h, h, gen, device)
+        self.ln2 = LayerNorm(h, device)
+        self.up = ColumnParallelLinear(h, cfg.ffn, gen, device)
+        self.down = RowParallelLinear(cfg.ffn, h, gen, device)
+
+    def forward(self, x, mask):
+        b, t, _ = x.shape
+        qkv = self.qkv(self.ln1(x)).view(b, t, self.local_heads, 3, self.head_dim)
+        q, k, v = (qkv[:, :, :, i].transpose(1, 2) for i in range(3))       # [b, heads, t, d]
+        att = (q @ k.transpose(-1, -2)) * self.head_dim ** -0.5 + mask
+        y = (att.softmax(-1) @ v).transpose(1, 2).reshape(b, t, self.local_heads * self.head_dim)
+        x = x + self.proj(y)
+        return x + self.down(F.gelu(self.up(self.ln2(x))))
+
+
+class TinyLM(torch.nn.Module):
+    def __init__(self, cfg, device):
+        super().__init__()
+        gen = torch.Generator().manual_seed(cfg.seed)   # full weights from one seed: same model for any TP
+        h = cfg.hidden
+        self.embed = _param(torch.randn(cfg.vocab, h, generator=gen) * 0.02, device)
+        self.pos = _param(torch.randn(cfg.seq_len, h, generator=gen) * 0.02, device)
+        self.blocks = torch.nn.ModuleList(Block(cfg, gen, device) for _ in range(cfg.layers))
+        self.ln_f = LayerNorm(h, device)
+        self.lm_head = ColumnParallelLinear(h, cfg.vocab, gen, device, gather_output=True, bias=False)
+        t = cfg.seq_len
+        self.register_buffer("mask", torch.full((t, t), float("-inf")).triu(1).to(device), persistent=False)
+
+    def forward(self, tokens):
+        t = tokens.shape[1]
+        x = F.embedding(tokens, self.embed) + self.pos[:t]
+        for blk in self.blocks:
+            x = blk(x, self.mask[:t, :t])
+        return self.lm_head(self.ln_f(x))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Data, schedule, helpers
+# ---------------------------------------------------------------------------------------------------------
+class TokenStream:
+    """A deterministic, endless stream of synthetic sequences; sample ``i`` depends only on (seed, i).
+    Each sequence follows one of a few affine rules (next = a*prev + c mod V) with 10% noise, so the loss
+    can fall well below log(V) once the model infers the rule from the context."""
+
+    RULES = ((5, 3), (7, 11), (3, 1), (9, 5))
+
+    def __init__(self, seed, vocab, seq_len):
+        self.seed, self.vocab, self.len = seed, vocab, seq_len + 1
+
+    def sample(self, i):
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + i)
+        a, c = self.RULES[int(torch.randint(len(self.RULES), (1,), generator=g))]
+        noise = torch.rand(self.len, generator=g) < 0.1
+        rand = torch.randint(self.vocab, (self.len,), generator=g)
+        out = [int(rand[0])]
+        for j in range(1, self.len):
+            out.append(int(rand[j]) if noise[j] else (a * out[-1] + c) % self.vocab)
+        return torch.tensor(out, dtype=torch.long)
+
+    def batch(self, pos, n):
+        return torch.stack([self.sample(pos + k) for k in range(n)])
+
+
+class WarmupCosine:
+    """Linear warm-up then cosine decay to 10%; works with any optimizer that has ``param_groups``."""
+
+    def __init__(self, optimizer, base_lr, warmup, total):
+        self.optimizer, self.base_lr, self.warmup, self.total = optimizer, base_lr, warmup, max(total, 1)
+        self.last_step = 0
+        self._apply()
+
+    def lr_at(self, s):
+        if s < self.warmup:
+            return self.base_lr * (s + 1) / self.warmup
+        frac = min(1.0, (s - self.warmup) / max(1, self.total - self.warmup))
+        return self.base_lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+
+    def _apply(self):
+        for g in self.optimizer.param_groups:
+            g["lr"] = self.lr_at(self.last_step)
+
+    def step(self):
+        self.last_step += 1
+        self._apply()
+
+    def state_dict(self):
+        return {"last_step": self.last_step, "base_lr": self.base_lr, "warmup": self.warmup, "total": self.total}
+
+    def load_state_dict(self, sd):
+        self.last_step, self.base_lr = int(sd["last_step"]), float(sd["base_lr"])
+        self.warmup, self.total = int(sd["warmup"]), int(sd["total"])
+        self._apply()
+
+
+def cpu_state(obj):
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu().clone()
+    if isinstance(obj, dict):
+        return {k: cpu_state(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(cpu_state(v) for v in obj)
+    if isinstance(obj, torch.Size):
+        return tuple(obj)
+    return obj
+
+
+def digest(obj, h=None):
+    """sha256 over a nested state: keys, tensor dtypes/shapes/bytes, other values' repr."""
+    h = h or hashlib.sha256()
+    if isinstance(obj, torch.Tensor):
+        t = obj.detach().cpu().contiguous()
+        h.update(f"T{t.dtype}{tuple(t.shape)}".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    elif isinstance(obj, dict):
+        for k in sorted(obj, key=str):
+            h.update(f"K{k!r}".encode())
+            digest(obj[k], h)
+    elif isinstance(obj, (list, tuple)):
+        h.update(f"L{len(obj)}".encode())
+        for v in obj:
+            digest(v, h)
+    else:
+        h.update(f"V{obj!r}".encode())
+    return h
+
+
+def write_json(path, data):
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=1)
+    os.replace(tmp, path)
+
+
+def gather_save_stats(nxd_ckpt):
+    """Per-save stats of every rank, merged per tag: max stall and commit time, summed bytes and files."""
+    mine = nxd_ckpt.save_stats()
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    merged = {}
+    for rank_stats in every:
+        for s in rank_stats:
+            m = merged.setdefault(s["tag"], {"tag": s["tag"], "stall_s": 0.0, "commit_s": 0.0, "bytes": 0,
+                                             "files": 0, "ok": True, "ranks": 0})
+            m["stall_s"] = max(m["stall_s"], float(s.get("stall_s", 0.0)))
+            m["commit_s"] = max(m["commit_s"], float(s.get("commit_s", 0.0)))
+            m["bytes"] += int(s.get("bytes", 0))
+            m["files"] += int(s.get("files", 0))
+            m["ok"] = m["ok"] and bool(s.get("ok", True))
+            m["ranks"] += 1
+    out = list(merged.values())
+    for m in out:
+        m["step"] = int(m["tag"].rsplit("_", 1)[-1]) if m["tag"].rsplit("_", 1)[-1].isdigit() else None
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# main
+# ---------------------------------------------------------------------------------------------------------
+def main(argv=None):
+    args = parse_args(argv)
+    if args.pp != 1:
+        sys.exit("train_demo.py: pipeline parallelism is not implemented by this demo model; use --pp 1")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    import torch_xla
+
+    import nxd_ckpt
+    import parallel_state as ps
+    from nxd_ckpt.testing import ZeroOneAdam
+
+    wall0 = time.monotonic()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if world % args.tp:
+        sys.exit(f"train_demo.py: --tp {args.tp} does not divide the world size {world}")
+    ps.initialize_model_parallel(tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp)
+    TP.group, TP.size, TP.rank = (ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_size(),
+                                  ps.get_tensor_model_parallel_rank())
+    dp_rank, dp_size, dp_group = ps.get_data_parallel_rank(), ps.get_data_parallel_size(), ps.get_data_parallel_host_group()
+    if args.global_batch % dp_size:
+        sys.exit(f"train_demo.py: --global-batch {args.global_batch} does not split over DP={dp_size}")
+    local_batch = args.global_batch // dp_size
+    say = (lambda *a: print(f"[train_demo]", *a, flush=True)) if rank == 0 else (lambda *a: None)
+
+    device = torch_xla.device()
+    model = TinyLM(args, device)
+    params = list(model.parameters())
+    if args.zero1:
+        opt = ZeroOneAdam(params, lr=args.lr, dp_group=dp_group, dp_rank=dp_rank, dp_size=dp_size)
+    else:
+        opt = torch.optim.Adam(params, lr=args.lr)
+    sched = WarmupCosine(opt, args.lr, args.warmup, args.total_steps or args.steps)
+    stream = TokenStream(args.seed, args.vocab, args.seq_len)
+    torch_xla.sync()
+
+    start_step, data_pos, resumed_from = 0, 0, None
+    os.makedirs(args.ckpt_dir, exist_ok=True)
+    if not args.no_resume and nxd_ckpt.has_checkpoint(args.ckpt_dir):
+        resumed_from = nxd_ckpt.newest_checkpoint(args.ckpt_dir)
+        t0 = time.monotonic()
+        uc = nxd_ckpt.load_checkpoint(args.ckpt_dir, model=model, optimizer=opt, scheduler=sched)
+        torch_xla.sync()   # materialize the loaded values: the next step's graph is then the same as in a fresh run
+        start_step, data_pos = int(uc["step"]), int(uc["data_pos"])
+        resumed_from = uc.get("tag", resumed_from)
+        say(f"resumed from {resumed_from} (step {start_step}, data position {data_pos}) in "
+            f"{time.monotonic() - t0:.2f}s; TP={TP.size} DP={dp_size} (saved with DP={uc.get('dp_size')})")
+    else:
+        say(f"starting from scratch; TP={TP.size} DP={dp_size} world={world} zero1={args.zero1}")
+
+    if args.crash_at_step is not None:
+        from nxd_ckpt.storage import set_write_hook
+
+        crash_prefix = f"step_{args.crash_at_step}{'.nxdtmp'}/"
+
+        def slow_writes(relpath):   # hold back every file of the crash step's save: it stays in flight
+            if relpath.startswith(crash_prefix) or relpath.startswith(f"step_{args.crash_at_step}/"):
+                time.sleep(args.crash_write_delay)
+
+        set_write_hook(slow_writes)
+
+    report = {"config": {k: v for k, v in vars(args).items()}, "world_size": world, "tp": TP.size, "dp": dp_size,
+              "resumed_from": resumed_from, "start_step": start_step + 1, "losses": {}, "step_s": {},
+              "saves": [], "save_steps": [], "crashed_at": None, "final_checksum": None}
+    report["config"]["async_save"] = args.async_save
+
+    def flush_report():
+        if rank == 0 and args.out:
+            write_json(args.out, report)
+
+    for step in range(start_step + 1, args.steps + 1):
+        t_step = time.monotonic()
+        batch = stream.batch(data_pos + dp_rank * local_batch, local_batch)
+        data_pos += args.global_batch
+        tokens, targets = batch[:, :-1].to(device), batch[:, 1:].to(device)
+        logits = model(tokens)
+        loss = F.cross_entropy(logits.reshape(-1, args.vocab), targets.reshape(-1))
+        loss.backward()
+        torch_xla.sync()
+        if not args.zero1 and dp_size > 1:   # DDP-style gradient averaging over the host DP group
+            for p in params:
+                g = p.grad.detach().cpu()
+                dist.all_reduce(g, group=dp_group)
+                p.grad = (g / dp_size).to(device)
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        torch_xla.sync()
+        lval = loss.detach().cpu().reshape(1)
+        if dp_size > 1:
+            dist.all_reduce(lval, group=dp_group)
+            lval /= dp_size
+        report["losses"][str(step)] = float(lval)
+        report["step_s"][str(step)] = time.monotonic() - t_step
+        if step % args.log_every == 0 or step == args.steps:
+            say(f"step {step:4d}  loss {float(lval):.4f}  lr {sched.lr_at(sched.last_step - 1):.2e}")
+
+        if args.ckpt_every and (step % args.ckpt_every == 0 or step == args.steps):
+            tag = f"step_{step}"
+            uc = {"step": step, "data_pos": data_pos, "tag": tag, "seed": args.seed, "dp_size": dp_size,
+                  "tp_size": TP.size, "global_batch": args.global_batch}
+            nxd_ckpt.save_checkpoint(args.ckpt_dir, tag, model=model, optimizer=opt, scheduler=sched,
+                                     user_content=uc, num_workers=args.num_workers,
+                                     num_kept_ckpts=args.num_kept, async_save=args.async_save,
+                                     zero1_optimizer=args.zero1)
+            report["save_steps"].append(step)
+            if step == args.crash_at_step:
+                from nxd_ckpt.engine import get_engine
+
+                in_flight = get_engine().in_flight_tags()
+                report["saves"] = gather_save_stats(nxd_ckpt)   # also a barrier: every rank's save has started
+                report["crashed_at"] = step
+                report["crash_in_flight"] = tag in in_flight
+                flush_report()
+                say(f"step {step}: save {tag} returned and is in flight on rank 0: {tag in in_flight}; "
+                    "SIGKILL on every rank now")
+                os.kill(os.getpid(), signal.SIGKILL)
+        flush_report()
+
+    t_fin = time.monotonic()
+    nxd_ckpt.finalize_checkpoint()
+    report["finalize_s"] = time.monotonic() - t_fin
+    report["saves"] = gather_save_stats(nxd_ckpt)
+    final = {"model": cpu_state(model.state_dict()), "optim": cpu_state(opt.state_dict())}
+    mine = digest(final).hexdigest()
+    every = [None] * world
+    dist.all_gather_object(every, mine)
+    report["rank_checksums"] = every
+    report["final_checksum"] = hashlib.sha256("".join(every).encode()).hexdigest()
+    report["wall_s"] = time.monotonic() - wall0
+    if args.dump_final:
+        torch.save(final, f"{args.dump_final}.rank{rank}.pt")
+    flush_report()
+    say(f"done: steps {start_step + 1}..{args.steps}, final state sha256 {report['final_checksum'][:16]}, "
+        f"{report['wall_s']:.1f}s")
+    ps.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
