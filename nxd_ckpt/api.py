@@ -6,7 +6,7 @@ import os
 import time
 from typing import List, Optional
 
-from . import commit, layout
+from . import commit
 from .capture import build_plan, validate_save_args
 from .engine import get_engine
 from .errors import CheckpointArgumentError, CheckpointNotFoundError, CorruptCheckpointError

@@ -6,7 +6,7 @@ loop can never reach the files; tensors are captured by the snapshot that follow
 from __future__ import annotations
 
 import io
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Tuple
 
 import torch
 

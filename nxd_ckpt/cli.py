@@ -149,7 +149,8 @@ def _cmd_verify(args) -> int:
         _print_json({"ok": ok, "tags": [r.to_json() for r in results]})
     else:
         for r in results:
-            state = "OK" if r.ok else ("INCOMPLETE" if any(f == "done" for f, _ in r.problems) else "DAMAGED")
+            incomplete = any(f in ("done", "manifest.json") and w.startswith("missing") for f, w in r.problems)
+            state = "OK" if r.ok else ("INCOMPLETE" if incomplete else "DAMAGED")
             print(f"{state:<10} {r.tag}  ({r.kind}: {r.files_checked} files, "
                   f"{format_bytes(r.bytes_checked)} checked)")
             for f, what in r.problems:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 from dataclasses import dataclass
 from typing import Dict, Iterable, List, Optional, Set
@@ -67,13 +66,21 @@ def publish(storage: Storage, tag: str, manifest: dict) -> None:
         old = f"{tag}{OLD_SUFFIX}"
         storage.remove_tree(old)
         storage.rename(tag, old)
-        storage.rename(staging, tag)
+        try:
+            storage.rename(staging, tag)
+        except BaseException:
+            storage.rename(old, tag)   # put the previous version back
+            raise
         storage.sync_dirs([""])
         storage.remove_tree(old)
     else:
         storage.rename(staging, tag)
     storage.sync_dirs([""])
-    write_newest(storage, tag)
+    try:
+        write_newest(storage, tag)
+    except Exception as exc:  # noqa: BLE001 - the tag is complete; `newest` is informational only
+        log.warning("nxd_ckpt: checkpoint %s is complete but %s could not be updated: %s (load_checkpoint does not "
+                    "rely on it; the next save rewrites it)", tag, layout.NEWEST_FILE, exc)
 
 
 def write_newest(storage: Storage, tag: str) -> None:
@@ -89,6 +96,21 @@ def read_manifest(storage: Storage, tag: str) -> Optional[dict]:
     if data.get("format") != MANIFEST_FORMAT:
         raise ValueError(f"{rel} is not an nxd-ckpt manifest")
     return data
+
+
+def expects_manifest(storage: Storage, tag: str) -> bool:
+    """True when complete ``tag`` has no manifest although nxd-ckpt wrote it, i.e. the manifest was lost:
+    `newest` names it, or it was committed no earlier than a tag of this directory that has a manifest.
+    neuronx-distributed tags committed before nxd-ckpt first saved here still load without one."""
+    if storage.exists(f"{tag}/{layout.MANIFEST_FILE}") or not storage.exists(f"{tag}/{layout.DONE_MARKER}"):
+        return False
+    try:
+        if storage.read_bytes(layout.NEWEST_FILE).decode().strip() == tag:
+            return True
+    except (OSError, UnicodeDecodeError):
+        pass
+    when = storage.mtime(f"{tag}/{layout.DONE_MARKER}")
+    return any(t.ours and t.complete and t.tag != tag and t.committed_at <= when for t in scan_tags(storage))
 
 
 @dataclass(frozen=True)
@@ -109,15 +131,28 @@ def scan_tags(storage: Storage) -> List[TagInfo]:
     for name in storage.listdir(""):
         if _is_special(name) or not storage.isdir(name):
             continue
-        path = os.path.join(getattr(storage, "root", ""), name)
-        if not layout.looks_like_checkpoint_dir(path) and not storage.exists(f"{name}/{layout.DONE_MARKER}"):
-            continue
         done = f"{name}/{layout.DONE_MARKER}"
         complete = storage.exists(done)
+        # A user's folder that happens to hold a file named `done` or `checkpoint` is not a tag: a tag
+        # has our manifest, NxD's `checkpoint` marker with model/ or optim/, or (older NxD, converter
+        # output) `done` with model/ or optim/.
+        if not _is_tag_dir(storage, name) and not (complete and _has_state_dirs(storage, name)):
+            continue
         when = storage.mtime(done) if complete else storage.mtime(name)
         out.append(TagInfo(name, complete, when, storage.exists(f"{name}/{layout.MANIFEST_FILE}")))
     out.sort(key=lambda t: (t.committed_at, _natural_key(t.tag)), reverse=True)
     return out
+
+
+def _is_tag_dir(storage: Storage, name: str) -> bool:
+    """True for what retention may delete: ours (a manifest) or NxD's (`checkpoint` + model/ or optim/)."""
+    if storage.exists(f"{name}/{layout.MANIFEST_FILE}"):
+        return True
+    return storage.exists(f"{name}/{layout.CHECKPOINT_MARKER}") and _has_state_dirs(storage, name)
+
+
+def _has_state_dirs(storage: Storage, name: str) -> bool:
+    return storage.isdir(f"{name}/{layout.MODEL_DIR}") or storage.isdir(f"{name}/{layout.OPTIM_DIR}")
 
 
 def _natural_key(s: str):
@@ -132,10 +167,21 @@ def complete_tags(storage: Storage) -> List[str]:
 
 
 def delete_tag(storage: Storage, name: str) -> None:
-    """Remove a tag so that an interrupted delete never leaves a complete-looking directory."""
+    """Remove a tag so that an interrupted delete never leaves a complete-looking directory: `done`
+    first, then the manifest; then the directory is renamed to ``<name>.nxdold`` before its files go, so
+    a crash part-way through leaves debris that the next retention recognises by name (rather than a
+    directory that has lost its `checkpoint` marker and would never be cleaned up)."""
     storage.remove_file(f"{name}/{layout.DONE_MARKER}")
     storage.remove_file(f"{name}/{layout.MANIFEST_FILE}")
     storage.sync_dirs([name])
+    if not _is_special(name):
+        doomed = f"{name}{OLD_SUFFIX}"
+        try:
+            storage.remove_tree(doomed)
+            storage.rename(name, doomed)
+            name = doomed
+        except OSError:
+            pass   # remove it in place
     storage.remove_tree(name)
 
 
@@ -154,9 +200,14 @@ def apply_retention(storage: Storage, num_kept: Optional[int], protected: Iterab
         keep = set(complete[: max(1, num_kept)])
         doomed += [t for t in complete if t not in keep and t not in protected]
     doomed += [t.tag for t in tags if not t.complete and t.tag not in busy and t.tag not in protected]
+    doomed = [t for t in doomed if _is_tag_dir(storage, t)]
     for name in storage.listdir(""):
-        if _is_special(name) and storage.isdir(name) and name not in busy:
+        if not _is_special(name) or name in busy:
+            continue
+        if storage.isdir(name):
             doomed.append(name)
+        elif name.endswith(layout.TMP_SUFFIX):
+            storage.remove_file(name)   # e.g. `newest.nxdtmp` of a crash while replacing `newest`
     for name in doomed:
         log.info("nxd_ckpt: retention removes %s", name)
         delete_tag(storage, name)

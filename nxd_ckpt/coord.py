@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import time
 from datetime import timedelta
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 from .errors import RankFailureError
 
@@ -38,7 +38,8 @@ class Coordinator:
         if not self._wait_keys([key], self.timeout_s):
             raise RankFailureError(
                 f"rank {self.rank} waited {self.timeout_s:.0f}s for {what} from rank {owner}, which is hung or "
-                f"dead; the checkpoint is not marked complete",
+                f"dead; the checkpoint is not marked complete and earlier ones are intact. Check rank {owner}'s log; "
+                "on restart load_checkpoint(tag=None) resumes from the newest complete checkpoint",
                 {owner: f"no {what} within {self.timeout_s:.0f}s (hung or dead)"},
             )
         return json.loads(self.store.get(key))
@@ -57,6 +58,40 @@ class Coordinator:
 
     def report(self, name: str, value) -> None:
         self.publish(f"{name}/{self.rank}", value)
+
+    def wait_outcome(self, name: str, reports: str) -> Tuple[Optional[dict], List[int], bool]:
+        """A non-root rank: wait for rank 0's verdict ``name`` on the reports ``reports/<rank>``.
+
+        Returns (verdict or None, ranks that never reported, whether every rank reported). The wait
+        follows what the reports show, so a rank is never blamed for another's failure and never
+        gives up before rank 0 can have decided: while ranks are missing, rank 0 waits ``timeout_s``
+        for them from its own report on, so the verdict is due then (plus a grace for rank 0 to act);
+        once everyone has reported, rank 0 has ``timeout_s`` to commit; if rank 0 itself never
+        reports, it is the one that failed."""
+        key = self._key(name)
+        report_keys = {r: self._key(f"{reports}/{r}") for r in range(self.world_size)}
+        grace = min(self.timeout_s, 60.0)
+        start = time.monotonic()
+        seen: Dict[int, float] = {}
+        while True:
+            if self.store.check([key]):
+                return json.loads(self.store.get(key)), [], True
+            now = time.monotonic()
+            for r, k in report_keys.items():
+                if r not in seen and self.store.check([k]):
+                    seen[r] = now
+            missing = [r for r in range(self.world_size) if r not in seen]
+            if not missing:
+                deadline = max(seen.values()) + self.timeout_s
+            elif 0 in seen:
+                deadline = max(seen[0], start) + self.timeout_s + grace
+            else:
+                deadline = start + self.timeout_s
+            if now >= deadline:
+                if self.store.check([key]):
+                    return json.loads(self.store.get(key)), [], True
+                return None, missing, not missing
+            time.sleep(_POLL_S)
 
     def _wait_keys(self, keys: List[str], timeout_s: float) -> bool:
         # store.wait raises on timeout with backend-specific errors; poll check() instead so a timeout is

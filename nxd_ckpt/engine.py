@@ -8,11 +8,10 @@ import threading
 import time
 from typing import List, Optional
 
-import torch
 
 from . import layout
 from .coord import Coordinator, default_store
-from .errors import CheckpointError, RankFailureError
+from .errors import RankFailureError
 from .plan import SavePlan, tensor_nbytes
 from .staging import HostBudget, chunk_by_bytes, copy_to_host, default_host_budget, device_snapshot
 from .storage import Storage
@@ -104,8 +103,14 @@ class Engine:
             job.close()
 
     def wait(self, job: SaveJob, timeout_s: float) -> None:
-        if not job.finished.wait(timeout_s):
-            raise RankFailureError(f"checkpoint {job.tag!r} did not finish within {timeout_s:.0f}s on this rank")
+        # Every wait inside a save has its own deadline (rank 0's staging directory, the other ranks'
+        # reports, rank 0's verdict: up to three rounds of the save's timeout), so give the job that long
+        # to fail on its own with the precise error before declaring it stuck here.
+        limit = max(timeout_s, 3 * job.coordinator.timeout_s + 60)
+        if not job.finished.wait(limit):
+            raise RankFailureError(
+                f"checkpoint {job.tag!r} did not finish within {limit:.0f}s on this rank (its writes are stuck: "
+                "check the filesystem); it is not marked complete and earlier checkpoints are intact")
         self._retire(job)
         if job.error is not None:
             err, job.error = job.error, None
@@ -206,8 +211,8 @@ def _manifest_info(world: World, plan: SavePlan) -> dict:
 def _log_done(job: SaveJob) -> None:
     s = job.stats
     if job.error is not None:
-        log.error("nxd_ckpt: checkpoint %s failed after %.3fs: %s", job.tag, s.get("commit_s", float("nan")),
-                  job.error)
+        log.error("nxd_ckpt: checkpoint %s failed after %.3fs: %s", job.tag,
+                  s.get("commit_s", time.monotonic() - job.called_at), job.error)
         return
     nbytes = s.get("bytes", 0)
     commit_s = s.get("commit_s", float("nan"))

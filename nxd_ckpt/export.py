@@ -257,7 +257,7 @@ def plan_export(tagdir: str, partitions: Sequence[Tuple[str, int, int]] = (), dt
             out = outs.setdefault(key, OutTensor(key))
             out.stages[pp] = leaves
     result = []
-    for key, out in outs.items():
+    for out in outs.values():
         _resolve(out, partitions, ntp, dtype)
         result.append(out)
     return result, shards, skipped

@@ -177,7 +177,7 @@ def shard_tensor_meta(reader: CheckedReader, rel: str, manifest: Optional[dict],
         data = reader.plain(rel, mmap=True)
         info = {}
     out, seen = [], set()
-    for i, (path, leaf) in enumerate(walk_refs(data)):
+    for path, leaf in walk_refs(data):
         if xser.is_ref(leaf):
             tid = leaf.tid
             if tid in seen:

@@ -130,13 +130,24 @@ def read_tag(storage: Storage, tag: str, world: World, *, want_model: bool, want
     error: Optional[BaseException] = None
     try:
         manifest = commit.read_manifest(storage, tag)
+        if manifest is None and commit.expects_manifest(storage, tag):
+            rel = f"{tag}/{layout.MANIFEST_FILE}"
+            raise CorruptCheckpointError(
+                f"checkpoint {tag!r} in {storage.root} is marked complete but {rel} is missing, although nxd-ckpt "
+                "wrote this tag (`newest` names it, or it is newer than a tag here that has a manifest), so its "
+                "files cannot be verified. Load another tag (tag=None picks the newest intact one); if the tag "
+                "was copied in from neuronx-distributed, move it to a directory of its own to load it without "
+                "checksums", path=rel)
         saved = saved_topology(storage, tag, manifest)
         check_topology(tag, saved, world, want_optim)
         reader = FileReader(storage, tag, manifest, trusted)
         state = _read_parts(reader, saved, world, want_model, want_optim, want_scheduler, num_workers)
         state["manifest"], state["saved"] = manifest, saved
     except ValueError as exc:
-        error = CorruptCheckpointError(f"checkpoint {tag!r}: manifest unreadable: {exc}")
+        rel = f"{tag}/{layout.MANIFEST_FILE}"
+        error = CorruptCheckpointError(
+            f"checkpoint {tag!r}: {rel} is unreadable ({exc}), so its files cannot be verified. Load another tag "
+            f"(tag=None picks the newest intact one); `nxd-ckpt verify {storage.root}` checks them all", path=rel)
     except Exception as exc:  # noqa: BLE001 - every failure must be agreed on before anyone raises
         error = exc
     agree(error)
@@ -177,6 +188,12 @@ def _read_parts(reader: FileReader, saved: dict, world: World, want_model: bool,
 
 def _require(reader: FileReader, rel: str, what: str) -> None:
     if not reader.exists(rel):
+        if reader.manifest is None and (reader.exists(layout.info_path(rel))
+                                        or reader.storage.isdir(f"{reader.tag}/{layout.tensors_dir(rel)}")):
+            full = f"{reader.tag}/{rel}"
+            raise CorruptCheckpointError(
+                f"checkpoint {reader.tag!r} is marked complete but {full} is missing (its tensor files are there); "
+                "load another tag (tag=None picks the newest intact one), or restore the file", path=full)
         raise StateMismatchError(
             f"checkpoint {reader.tag!r} has no {what} shard {rel} for this rank; it was saved without a {what} "
             f"or at another parallel layout; call load_checkpoint without {'model' if what == 'model' else 'optimizer'}=")

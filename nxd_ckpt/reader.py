@@ -26,6 +26,10 @@ from .storage import Storage
 log = logging.getLogger("nxd_ckpt")
 
 
+_NEXT = ("load another tag (tag=None picks the newest intact one); `nxd-ckpt verify <dir>` lists every damaged "
+         "file")
+
+
 @dataclass
 class FileReader:
     """Reads files of one tag, checking size and CRC32C against the manifest when there is one."""
@@ -39,7 +43,7 @@ class FileReader:
         full = f"{self.tag}/{relpath}"
         if not self.storage.exists(full):
             raise CorruptCheckpointError(
-                f"checkpoint {self.tag!r} is marked complete but {full} is missing", path=full)
+                f"checkpoint {self.tag!r} is marked complete but {full} is missing; {_NEXT}", path=full)
         data = self.storage.read_bytes(full)
         if self.manifest is not None:
             self._verify(relpath, full, data)
@@ -48,15 +52,16 @@ class FileReader:
     def _verify(self, relpath: str, full: str, data: bytes) -> None:
         entry = self.manifest["files"].get(relpath)
         if entry is None:
-            raise CorruptCheckpointError(f"{full} is not listed in the manifest of {self.tag!r}", path=full)
+            raise CorruptCheckpointError(f"{full} is not listed in the manifest of {self.tag!r}; {_NEXT}",
+                                         path=full)
         if len(data) != entry["size"]:
             raise CorruptCheckpointError(
-                f"{full} has {len(data)} bytes, the manifest says {entry['size']} (truncated or overwritten)",
-                path=full, expected=str(entry["size"]), found=str(len(data)))
+                f"{full} has {len(data)} bytes, the manifest says {entry['size']} (truncated or overwritten); "
+                f"{_NEXT}", path=full, expected=str(entry["size"]), found=str(len(data)))
         found = f"{_crc32c.crc32c(data):08x}"
         if found != entry["crc32c"]:
             raise CorruptCheckpointError(
-                f"{full} fails its checksum: expected crc32c {entry['crc32c']}, found {found}",
+                f"{full} fails its checksum: expected crc32c {entry['crc32c']}, found {found}; {_NEXT}",
                 path=full, expected=entry["crc32c"], found=found)
 
     def exists(self, relpath: str) -> bool:
@@ -71,7 +76,7 @@ class FileReader:
         except xser.UnsafeCheckpointError:
             raise
         except xser.XserError as exc:
-            raise CorruptCheckpointError(str(exc), path=f"{self.tag}/{relpath}") from exc
+            raise CorruptCheckpointError(f"{exc}; {_NEXT}", path=f"{self.tag}/{relpath}") from exc
 
     def load_tensor(self, relpath: str) -> torch.Tensor:
         data = self.read(relpath)
@@ -80,7 +85,8 @@ class FileReader:
         except xser.UnsafeCheckpointError:
             raise
         except (xser.XserError, RuntimeError, EOFError) as exc:
-            raise CorruptCheckpointError(f"{self.tag}/{relpath}: {exc}", path=f"{self.tag}/{relpath}") from exc
+            raise CorruptCheckpointError(f"{self.tag}/{relpath} is damaged: {exc}; {_NEXT}",
+                                         path=f"{self.tag}/{relpath}") from exc
 
 
 def collect_tids(ref_data) -> List[int]:

@@ -1,9 +1,17 @@
 """Device -> host snapshot into bounded host memory.
 
-The training thread blocks here, and only here, during an async save: one batched transfer of this
-rank's planned XLA tensors (``torch_xla._XLAC._xla_get_cpu_tensors``, which also materialises pending
-graphs), host-tensor copies for CPU tensors (Adam's ``step``). A HostBudget bounds the bytes held by
-snapshots that are not yet written; a snapshot larger than what is free waits for writers to release.
+The training thread blocks here, and only here, during an async save: the batched transfer of this
+rank's planned XLA tensors (``torch_xla._XLAC._xla_get_cpu_tensors``; pending graphs are materialised
+first, all in one execution), host-tensor copies for CPU tensors (Adam's ``step``). A HostBudget bounds
+the bytes held by snapshots that are not yet written; a snapshot larger than what is free waits for
+writers to release.
+
+The batched transfer is issued in sub-batches of at most ``D2H_BATCH_BYTES``: ``_xla_get_cpu_tensors``
+stages every tensor through an intermediate host literal before building the CPU tensor, so one call
+over a whole snapshot allocates (and page-faults in) twice the snapshot, while sub-batches recycle a
+small, already-mapped literal buffer. Measured on the XLA CPU device (2 cores): 1 GB in 10 MB tensors
+took 1.1-1.8 s as one call and 0.2-0.3 s in 16-128 MB sub-batches, with a transient of one sub-batch
+instead of the whole snapshot.
 """
 from __future__ import annotations
 
@@ -78,13 +86,37 @@ def copy_to_host(tensors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
     return out
 
 
+#: Largest sub-batch of one ``_xla_get_cpu_tensors`` call (a larger tensor forms a sub-batch of its own).
+D2H_BATCH_BYTES = 32 << 20
+
+
 def _xla_to_cpu(tensors: List[torch.Tensor]) -> List[torch.Tensor]:
     import torch_xla
 
-    get_cpu = getattr(getattr(torch_xla, "_XLAC", None), "_xla_get_cpu_tensors", None)
+    xlac = getattr(torch_xla, "_XLAC", None)
+    get_cpu = getattr(xlac, "_xla_get_cpu_tensors", None)
     if get_cpu is None:  # older or newer torch-xla without the batched call
         return [t.detach().cpu() for t in tensors]
-    return list(get_cpu([t.detach() for t in tensors]))
+    tensors = [t.detach() for t in tensors]
+    batches = chunk_by_bytes([t.numel() * t.element_size() for t in tensors], D2H_BATCH_BYTES)
+    if len(batches) > 1:
+        _materialize(xlac, tensors)
+    out: List[torch.Tensor] = []
+    for batch in batches:
+        out.extend(get_cpu([tensors[i] for i in batch]))
+    return out
+
+
+def _materialize(xlac, tensors: List[torch.Tensor]) -> None:
+    """Run the pending computations of ``tensors`` as one graph, so that fetching them in sub-batches does
+    not execute (and compile) one graph per sub-batch. Costs under a millisecond when nothing is pending."""
+    need = getattr(xlac, "_check_tensor_need_materialization", None)
+    try:
+        pending = any(need(tensors)) if need is not None else True
+    except (RuntimeError, TypeError):
+        pending = True
+    if pending:
+        xlac._xla_sync_multi(tensors, devices=[], wait=True, sync_xla_data=False)
 
 
 def device_snapshot(tensors: Sequence[torch.Tensor]) -> List[torch.Tensor]:

@@ -122,7 +122,7 @@ class SaveRunner:
 def run_job(job: SaveJob, runner: SaveRunner) -> None:
     staging = commit.staging_name(job.tag)
     coord = job.coordinator
-    _prepare(job, staging)
+    _prepare(job, staging, runner)
     records, write_error = _write_all(job, runner, staging)
     report = {
         "ok": write_error is None,
@@ -135,34 +135,71 @@ def run_job(job: SaveJob, runner: SaveRunner) -> None:
         outcome = _commit_as_root(job, report)
         coord.publish("result", outcome)
     else:
-        outcome = coord.wait_for("result", "the commit result", owner=0)
+        outcome = _wait_outcome(job)
     job.stats["commit_s"] = time.monotonic() - job.called_at
     coord.cleanup([f"written/{job.rank}"])
     if not outcome["ok"]:
         causes = {int(r): c for r, c in outcome["causes"].items()}
         raise RankFailureError(
             f"checkpoint {job.tag!r} was not saved: {describe_causes(causes)}. It is not marked complete; "
-            "earlier checkpoints are intact.",
+            "earlier checkpoints are intact. Fix the cause on the rank(s) named (free space, permissions, a dead or "
+            "hung host: see their logs) and save again; load_checkpoint(tag=None) resumes from the newest "
+            "complete checkpoint.",
             causes,
         )
 
 
-def _prepare(job: SaveJob, staging: str) -> None:
+def _wait_outcome(job: SaveJob) -> dict:
+    """A non-root rank: rank 0's verdict, or a failure naming whoever did not deliver in time."""
+    coord = job.coordinator
+    outcome, missing, all_reported = coord.wait_outcome("result", "written")
+    if outcome is not None:
+        return outcome
+    t = f"{coord.timeout_s:.0f}s"
+    if all_reported:
+        # Rank 0 had every report and went quiet while committing: it may or may not have finished.
+        raise RankFailureError(
+            f"checkpoint {job.tag!r}: every rank reported its files but rank 0 did not publish the commit "
+            f"outcome within {t} (hung or dead while committing), so this rank cannot tell whether the "
+            "checkpoint is complete. Check rank 0's log; on restart load_checkpoint(tag=None) resumes from the "
+            "newest complete checkpoint.",
+            {0: f"no commit outcome within {t} after every rank reported (hung or dead)"})
+    causes = {r: f"did not report its files within {t} (hung or dead)" for r in missing}
+    if 0 not in missing:
+        causes[0] = f"gave no verdict within {t} (hung or dead)"
+    raise RankFailureError(
+        f"checkpoint {job.tag!r} was not saved: {describe_causes(causes)}. It is not marked complete; earlier "
+        "checkpoints are intact. Check those ranks' logs (and their hosts); on restart load_checkpoint(tag=None) "
+        "resumes from the newest complete checkpoint.", causes)
+
+
+def _prepare(job: SaveJob, staging: str, runner: SaveRunner) -> None:
     coord = job.coordinator
     if job.rank == 0:
         try:
             commit.prepare_staging(job.storage, job.tag)
             coord.publish("prepared", {"ok": True})
         except Exception as exc:  # noqa: BLE001
-            coord.publish("prepared", {"ok": False, "error": f"{type(exc).__name__}: {exc}"})
-            _drain(job, runner_budget=None)
-            raise RankFailureError(f"checkpoint {job.tag!r}: rank 0 could not prepare {staging}: {exc}",
-                                   {0: str(exc)}) from exc
+            error = _describe(exc, 0)
+            _remove_quietly(job.storage, staging)
+            coord.publish("prepared", {"ok": False, "error": error})
+            _drain(job, runner.budget)
+            raise RankFailureError(
+                f"checkpoint {job.tag!r} was not saved: rank 0 could not create {staging} in "
+                f"{getattr(job.storage, 'root', '')}: {error}. Fix the directory (space, permissions) and save "
+                "again; earlier checkpoints are intact.", {0: error}) from exc
     else:
-        state = coord.wait_for("prepared", "the staging directory", owner=0)
+        try:
+            state = coord.wait_for("prepared", "the staging directory", owner=0)
+        except RankFailureError:
+            _drain(job, runner.budget)
+            raise
         if not state["ok"]:
-            raise RankFailureError(f"checkpoint {job.tag!r}: rank 0 could not prepare it: {state['error']}",
-                                   {0: state["error"]})
+            _drain(job, runner.budget)
+            raise RankFailureError(
+                f"checkpoint {job.tag!r} was not saved: rank 0 could not create its staging directory: "
+                f"{state['error']}. Fix the directory (space, permissions) and save again; earlier checkpoints "
+                "are intact.", {0: state["error"]})
 
 
 def _write_all(job: SaveJob, runner: SaveRunner, staging: str):
@@ -205,11 +242,46 @@ def _write_all(job: SaveJob, runner: SaveRunner, staging: str):
 
 
 def _write_one(storage: Storage, staging: str, task: WriteTask, budget: HostBudget) -> FileRecord:
+    seen: List[OSError] = []
+
+    def produce(f):
+        try:
+            task.produce(_OSErrorKeeper(f, seen))
+        except Exception as exc:
+            # torch.save's zip writer swallows the OSError of a failed write (a full disk, a quota) and
+            # fails later with "unexpected pos ..."; report the real cause.
+            if seen and exc is not seen[0]:
+                raise seen[0] from exc
+            raise
+
     try:
-        rec = storage.write_file(f"{staging}/{task.relpath}", task.produce)
+        rec = storage.write_file(f"{staging}/{task.relpath}", produce)
         return FileRecord(task.relpath, rec.size, rec.crc32c)
     finally:
         budget.release(task.nbytes)
+
+
+class _OSErrorKeeper(io.RawIOBase):
+    """A pass-through writable file object that remembers the first OSError a write raised."""
+
+    def __init__(self, f, seen: List[OSError]):
+        super().__init__()
+        self._f = f
+        self._seen = seen
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data) -> int:
+        try:
+            return self._f.write(data)
+        except OSError as exc:
+            if not self._seen:
+                self._seen.append(exc)
+            raise
+
+    def flush(self) -> None:
+        pass
 
 
 def _drain(job: SaveJob, runner_budget) -> None:
@@ -236,8 +308,13 @@ def _commit_as_root(job: SaveJob, own_report: dict) -> dict:
             causes[r] = f"did not report within {coord.timeout_s:.0f}s (hung or dead)"
         elif not rep["ok"]:
             causes[r] = rep["error"]
+    staging = commit.staging_name(job.tag)
     if causes:
         log.error("nxd_ckpt: checkpoint %s failed: %s", job.tag, describe_causes(causes))
+        if all(rep is not None for rep in reports.values()):
+            # Every rank has stopped writing: free the space now (a full disk would otherwise stay full
+            # until the next successful save). With a silent rank, retention removes it later.
+            _remove_quietly(job.storage, staging)
         return {"ok": False, "causes": {str(r): c for r, c in causes.items()}}
     try:
         files: Dict[str, dict] = {}
@@ -250,9 +327,26 @@ def _commit_as_root(job: SaveJob, own_report: dict) -> dict:
                                          files, tensors)
         commit.publish(job.storage, job.tag, manifest)
         job.stats["committed"] = True
-        deleted = commit.apply_retention(job.storage, job.num_kept, job.protected(),
+    except Exception as exc:  # noqa: BLE001
+        log.error("nxd_ckpt: checkpoint %s could not be committed: %s", job.tag, exc)
+        _remove_quietly(job.storage, staging)
+        return {"ok": False, "causes": {"0": f"commit failed: {_describe(exc, 0)}"}}
+    # The checkpoint is complete from here on: a retention problem must not report the save as failed.
+    try:
+        # The tag just committed is never a candidate, even if another tag's `done` looks newer (clock skew).
+        deleted = commit.apply_retention(job.storage, job.num_kept, list(job.protected()) + [job.tag],
                                          [t for t in job.in_flight() if t != job.tag])
         job.stats["retention_deleted"] = deleted
     except Exception as exc:  # noqa: BLE001
-        return {"ok": False, "causes": {"0": f"commit failed: {_describe(exc, 0)}"}}
+        job.stats["retention_error"] = _describe(exc, 0)
+        log.warning("nxd_ckpt: checkpoint %s is complete, but removing old checkpoints failed: %s. The next "
+                    "successful save retries; or delete old tags by hand (`nxd-ckpt ls` lists them)", job.tag, exc)
     return {"ok": True}
+
+
+def _remove_quietly(storage: Storage, relpath: str) -> None:
+    try:
+        if storage.exists(relpath):
+            storage.remove_tree(relpath)
+    except Exception as exc:  # noqa: BLE001 - debris; the next successful save's retention removes it
+        log.warning("nxd_ckpt: could not remove %s: %s", relpath, exc)

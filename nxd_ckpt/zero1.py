@@ -151,9 +151,10 @@ def build_template(state, where: str) -> Tuple[Any, List[Slot], Dict[Any, tuple]
 
 # --- the row arithmetic ------------------------------------------------------------------------------
 def make_piece(r: int, load: Callable[[int], torch.Tensor], per_in: int, rows: int, tail: tuple, per_out: int,
-               dtype_of: Callable[[], torch.dtype]) -> torch.Tensor:
+               dtype_of: Callable[[], torch.dtype], out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Output piece ``r`` ((per_out, *tail) rows ``[r*per_out, (r+1)*per_out)`` of the padded parameter),
-    assembled from the input pieces ``load(j)`` (each (per_in, *tail)) that overlap it."""
+    assembled from the input pieces ``load(j)`` (each (per_in, *tail)) that overlap it. With ``out`` (a
+    (per_out, *tail) tensor) the piece is assembled there, unless it is one whole input piece."""
     a, b = r * per_out, (r + 1) * per_out
     end = min(b, rows)
     parts = []
@@ -166,13 +167,17 @@ def make_piece(r: int, load: Callable[[int], torch.Tensor], per_in: int, rows: i
         parts.append(src if (off == 0 and take == src.shape[0]) else src[off:off + take])
         pos += take
     pad = b - max(a, end)
-    if pad:
-        parts.append(torch.zeros((pad, *tail), dtype=parts[0].dtype if parts else dtype_of()))
-    if not parts:
-        return torch.zeros((0, *tail), dtype=dtype_of())
-    if len(parts) == 1:
+    if len(parts) == 1 and not pad:
         return parts[0]
-    return torch.cat(parts, dim=0)
+    if out is None:
+        out = torch.empty((per_out, *tail), dtype=parts[0].dtype if parts else dtype_of())
+    row = 0
+    for p in parts:
+        out[row:row + p.shape[0]].copy_(p)
+        row += p.shape[0]
+    if pad:
+        out[row:].zero_()
+    return out
 
 
 @dataclass
@@ -222,8 +227,13 @@ class Geometry:
         return piece.reshape(self.shape) if self.full_out else piece
 
 
-def stream_pieces(geo: Geometry, load_raw: Callable[[int], Tuple[torch.Tensor, str]]):
-    """Yield (r, piece) for every output rank, keeping only the overlapping input pieces in memory."""
+def stream_pieces(geo: Geometry, load_raw: Callable[[int], Tuple[torch.Tensor, str]],
+                  buffers: Optional[Dict[tuple, torch.Tensor]] = None):
+    """Yield (r, piece) for every output rank, keeping only the overlapping input pieces in memory.
+
+    With ``buffers`` (a dict the caller keeps across calls) pieces are assembled in reused buffers, which
+    saves allocating (and page-faulting) fresh memory for every piece; the caller must then be done with a
+    piece before asking for the next one."""
     cache: Dict[int, torch.Tensor] = {}
     rows, tail = geo.rows_tail
     per_in, per_out = geo.per_in, geo.per_out
@@ -244,7 +254,14 @@ def stream_pieces(geo: Geometry, load_raw: Callable[[int], Tuple[torch.Tensor, s
         return dtype[0] if dtype else load(0).dtype
 
     for r in range(geo.g_out):
-        piece = make_piece(r, load, per_in, rows, tail, per_out, dtype_of)
+        out = None
+        if buffers is not None:
+            key = ((per_out, *tail), dtype_of())
+            out = buffers.get(key)
+            if out is None:
+                buffers.clear()  # keep one buffer: the previous parameter's is not needed any more
+                out = buffers[key] = torch.empty(key[0], dtype=key[1])
+        piece = make_piece(r, load, per_in, rows, tail, per_out, dtype_of, out)
         b = (r + 1) * per_out
         for j in [j for j in cache if (j + 1) * per_in <= b]:
             del cache[j]
@@ -452,6 +469,8 @@ def convert_zero1(input_dir: str, output_dir: str, *, to_full: bool = False, dp_
     except BaseException:
         shutil.rmtree(stage, ignore_errors=True)
         raise
+    finally:
+        _BUFFERS.clear()
     nparams = sum(len(g.shape_info) for g in groups)
     return ConvertResult(dst, None if full_in else g_in, None if to_full else g_out, xser_in, len(groups), nparams,
                          sum(r.size for r in written), len(written), linked, copied)
@@ -467,6 +486,7 @@ class _WorkerContext:
 
 
 _CTX: Optional[_WorkerContext] = None
+_BUFFERS: Dict[tuple, torch.Tensor] = {}   # one reused output-piece buffer per process
 
 
 def _init_worker(ctx: _WorkerContext) -> None:
@@ -489,8 +509,9 @@ def _run_unit(unit: dict) -> List[tuple]:
     out = LocalStorage(ctx.out_root)
     geo: Geometry = unit["geometry"]
     results = []
-    for label, specs, tid in unit["keys"]:
-        for r, piece in stream_pieces(geo, lambda j: _load_leaf(reader, specs[j])):
+    buffers = _BUFFERS
+    for _label, specs, tid in unit["keys"]:
+        for r, piece in stream_pieces(geo, lambda j, specs=specs: _load_leaf(reader, specs[j]), buffers):
             rel = layout.tensor_path(unit["out_rels"][r], tid)
             rec = out.write_file(rel, lambda f, t=piece: xser.write_tensor(t, f), durable=False)
             results.append((rel, rec.size, rec.crc32c, unit["out_rels"][r], tid, str(piece.dtype).replace("torch.", ""),
@@ -559,7 +580,7 @@ def _convert_xser(groups: List[Group], g_in: int, full_in: bool, g_out: int, ful
     for grp in groups:
         # One placeholder tensor per slot: xser.to_refs gives the tids torch-xla's save would give.
         holders = {}
-        filled = _fill(grp.template, lambda s: holders.setdefault(id(s), (s, torch.zeros(1)))[1])
+        filled = _fill(grp.template, lambda s, h=holders: h.setdefault(id(s), (s, torch.zeros(1)))[1])
         ref_data, ordered = xser.to_refs(filled)
         by_holder = {id(t): s for s, t in holders.values()}
         tid_of = {id(by_holder[id(t)]): tid for tid, t in enumerate(ordered)}
@@ -612,7 +633,8 @@ def _convert_xser(groups: List[Group], g_in: int, full_in: bool, g_out: int, ful
                     for tid, (d, shape) in sorted(metas.items())}
             records[layout.info_path(out_rel)] = out.write_file(
                 layout.info_path(out_rel), lambda f, info=info: torch.save(info, f), durable=False)
-            records[out_rel] = out.write_file(out_rel, lambda f: xser.dump_refs(ref_data, f), durable=False)
+            records[out_rel] = out.write_file(out_rel, lambda f, r=ref_data: xser.dump_refs(r, f),
+                                              durable=False)
             optim_tensors[out_rel] = {
                 str(tid): {"dtype": d, "shape": shape, "key": "/".join(map(str, slot_of_tid[tid].path))}
                 for tid, (d, shape) in sorted(metas.items())}
@@ -780,7 +802,7 @@ def _rank_of(rel: str, topo: dict) -> int:
 
 def _publish(stage: str, dst: str) -> None:
     """Make ``stage`` durable and rename it to ``dst`` (replacing an existing ``dst``)."""
-    for root, dirs, _names in os.walk(stage):
+    for root, _dirs, _names in os.walk(stage):
         _fsync_dir(root)
     if os.path.isdir(dst) and os.listdir(dst):
         old = dst + commit.OLD_SUFFIX

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from harness import run_ranks
-from tiny_models import TinyShard, all_files, assert_bit_equal, sync, to_cpu_state, train_steps, xla_device
+from tiny_models import TinyShard, assert_bit_equal, sync, to_cpu_state, train_steps, xla_device
 
 
 @pytest.fixture

@@ -27,7 +27,7 @@ def test_ls_json_shows_status_and_topology(tmp_path, capsys):
     root = str(tmp_path)
     zero1_tag(root, "step_4", dp=4, tp=2)
     write_tag(root, "step_2", model={(0, 0): {"w": torch.ones(3)}}, done=False)
-    nxd = write_tag(root, "step_1", model={(t, p): {"w": torch.ones(3)} for t in range(2) for p in range(3)},
+    write_tag(root, "step_1", model={(t, p): {"w": torch.ones(3)} for t in range(2) for p in range(3)},
                     manifest=False)
     bad = write_tag(root, "step_3", model={(0, 0): {"w": torch.ones(300)}})
     os.truncate(os.path.join(bad, "model/dp_rank_00_tp_rank_00_pp_rank_00.pt.tensors/tensor_0.pt"), 10)

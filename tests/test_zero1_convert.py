@@ -12,7 +12,7 @@ from nxd_ckpt import layout
 from nxd_ckpt.cli import convert_zero1_main, main
 from nxd_ckpt.testing.zero1_adam import shard_of
 from nxd_ckpt.verify import verify_tag
-from nxd_ckpt.zero1 import Geometry, convert_zero1, stream_pieces
+from nxd_ckpt.zero1 import Geometry, stream_pieces
 from test_cli_fixtures import (SHAPES, assert_bit_equal, full_zero1_params, load_shard, write_tag, zero1_states,
                                zero1_tag)
 
@@ -66,7 +66,7 @@ def test_round_trip_dp4_full_dp2_dp4_bit_exact(tmp_path):
 
     assert _convert(["--input_dir", src, "--output_dir", full_dir, "--convert_to_full"]) == 0
     merged = load_shard(full_dir, "optim/full_tp_rank_00_pp_rank_00.pt")
-    for i, shape in SHAPES.items():
+    for i in SHAPES:
         assert_bit_equal(full[i]["exp_avg"], merged["base_state"][i]["exp_avg"], f"full {i}")
         assert_bit_equal(full[i]["master"], merged["sharded_master_weights"][i], f"master {i}")
         assert merged["base_state"][i]["step"].item() == 7.0

@@ -1,0 +1,209 @@
+"""Fault injection: ranks SIGKILLed at every phase of an async save, a hung (SIGSTOPped) rank, a full disk.
+
+After every crash a brand-new job (new processes, new process group) must resume bit for bit from the
+newest checkpoint that had completed, and its next save must clean up the debris. Survivors of a crash
+must raise RankFailureError naming the dead rank, not hang. Nothing here asserts a duration.
+"""
+from __future__ import annotations
+
+import errno
+import json
+import os
+import subprocess
+
+import pytest
+
+import crash_worker as cw
+from harness import run_ranks
+from tiny_models import all_files
+
+WORLD = 2
+TIMEOUT_S = 4.0     # the failing save's timeout_s: how long survivors wait for a dead rank
+
+
+def _tag_files_exact(tagdir: str) -> None:
+    """A complete tag holds exactly what its manifest lists plus the three markers (no temp files)."""
+    with open(os.path.join(tagdir, "manifest.json")) as f:
+        manifest = json.load(f)
+    want = set(manifest["files"]) | {"manifest.json", "done", "checkpoint"}
+    assert all_files(tagdir) == want, sorted(all_files(tagdir) ^ want)
+
+
+# (phase, victims when one rank dies, num_kept_ckpts, complete tags after the crash, newest first)
+PHASES = {
+    "snapshot": ([1], 2, [cw.FIRST]),
+    "write": ([1], 2, [cw.FIRST]),
+    "commit": ([0], 2, [cw.FIRST]),
+    "newest": ([0], 2, [cw.SECOND, cw.FIRST]),
+    "retention": ([0], 1, [cw.SECOND]),
+}
+
+
+@pytest.mark.parametrize("who", ["one", pytest.param("all", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("phase", list(PHASES))
+def test_sigkill_during_async_save(tmp_path, phase, who):
+    import nxd_ckpt
+
+    one_victims, num_kept, complete_after = PHASES[phase]
+    victims = one_victims if who == "one" else list(range(WORLD))
+    root, side = str(tmp_path / "ckpt"), str(tmp_path / "side")
+
+    # --- job 1: FIRST completes, SECOND is interrupted by SIGKILL --------------------------------------
+    outcomes = cw.run_ranks_tolerant(cw.crash_run, WORLD, root, side, phase, victims, TIMEOUT_S, num_kept,
+                                     timeout=120)
+    for r, o in enumerate(outcomes):
+        if r in victims:
+            assert o.status == "died" and "SIGKILL" in o.value, cw.describe(outcomes)
+        else:
+            # a survivor raised, naming the dead rank, instead of hanging
+            assert o.status == "ok", cw.describe(outcomes)
+            assert o.value["raised"] == "RankFailureError", cw.describe(outcomes)
+            assert set(victims) <= set(o.value["causes"]), cw.describe(outcomes)
+            assert all(f"rank {v}" in o.value["message"] for v in victims), o.value["message"]
+
+    # on disk: the last complete checkpoint is intact; nothing half-written looks complete
+    assert nxd_ckpt.list_checkpoints(root) == complete_after
+    assert not os.path.exists(os.path.join(root, cw.SECOND, "done")) or cw.SECOND in complete_after
+    if phase == "newest":   # committed, but the pointer still names FIRST: loading must not trust it
+        assert open(os.path.join(root, "newest")).read() == cw.FIRST
+    if phase == "retention":  # FIRST lost `done` and then its deleter died: it must never look complete
+        assert os.path.isdir(os.path.join(root, cw.FIRST))
+        assert not os.path.exists(os.path.join(root, cw.FIRST, "done"))
+        with pytest.raises(nxd_ckpt.IncompleteCheckpointError, match="no 'done' marker"):
+            nxd_ckpt.load_checkpoint(root, tag=cw.FIRST, model={})
+
+    # --- job 2: new processes resume bit for bit from the newest complete tag, then save --------------
+    expect_step = int(complete_after[0].split("_")[1])
+    run_ranks(cw.restart_run, WORLD, root, side, expect_step, num_kept, timeout=120)
+    kept = [cw.RESUMED] + complete_after[: num_kept - 1]
+    assert nxd_ckpt.list_checkpoints(root) == kept
+    assert sorted(os.listdir(root)) == sorted(kept + ["newest"]), "debris left behind"
+    assert open(os.path.join(root, "newest")).read() == cw.RESUMED
+    for tag in kept:
+        _tag_files_exact(os.path.join(root, tag))
+
+
+def test_hung_rank_is_named_and_nobody_hangs(tmp_path):
+    """Rank 1 of 3 SIGSTOPs itself in the middle of a save: ranks 0 and 2 raise RankFailureError naming
+    rank 1 (and only rank 1, although rank 0 finished writing last) after timeout_s. The stopped rank is
+    SIGKILLed once they have returned."""
+    import nxd_ckpt
+
+    root = str(tmp_path / "ckpt")
+    outcomes = cw.run_ranks_tolerant(cw.hung_run, 3, root, 1, TIMEOUT_S, 1.0, timeout=120, stragglers=[1])
+    assert outcomes[1].status == "stopped", cw.describe(outcomes)
+    for r in (0, 2):
+        o = outcomes[r]
+        assert o.status == "ok" and o.value["raised"] == "RankFailureError", cw.describe(outcomes)
+        assert list(o.value["causes"]) == [1], cw.describe(outcomes)   # rank 1 alone, rank 0 is not blamed
+        assert "rank 1" in o.value["message"] and "hung or dead" in o.value["message"]
+    assert nxd_ckpt.list_checkpoints(root) == ["good"]
+    assert not os.path.exists(os.path.join(root, "hung"))
+
+
+# ---- disk full ---------------------------------------------------------------------------------------
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 200 KiB tmpfs when this process may mount one (root), else a plain directory where the ranks
+    inject ENOSPC with a write hook. Yields (directory, inject)."""
+    mnt = tmp_path / "small_disk"
+    mnt.mkdir()
+    mounted = False
+    if hasattr(os, "geteuid") and os.geteuid() == 0:
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=200k", "tmpfs", str(mnt)], capture_output=True)
+        mounted = r.returncode == 0
+    try:
+        yield str(mnt / "ckpt"), not mounted
+    finally:
+        if mounted:
+            subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def _disk_full_rank(rank, world, root, inject):
+    import torch
+
+    import nxd_ckpt
+    import parallel_state as ps
+    from nxd_ckpt.storage import set_write_hook
+    from tiny_models import TinyShard, assert_bit_equal, to_cpu_state, xla_device
+
+    if inject:
+        def hook(rel):
+            if rel.startswith("big"):
+                raise OSError(errno.ENOSPC, "No space left on device (injected)")
+
+        set_write_hook(hook)
+    ps.initialize_model_parallel(tensor_model_parallel_size=world)
+    model = TinyShard(rank)
+    expect = to_cpu_state(model.state_dict())
+    nxd_ckpt.save_checkpoint(root, "small", model=model, num_kept_ckpts=1)
+    big = {f"b{i}": torch.randn(16 << 10).to(xla_device()) for i in range(3)}   # 3 x 64 KiB per rank
+    raised = {}
+    try:
+        nxd_ckpt.save_checkpoint(root, "big_sync", model=big, num_kept_ckpts=1, timeout_s=30)
+    except nxd_ckpt.RankFailureError as exc:
+        raised["sync"] = exc.causes
+    # rank 0 removed the failed save's files before reporting the failure: the disk is not left full
+    listing_after_sync = sorted(os.listdir(root)) if rank == 0 else None
+    nxd_ckpt.save_checkpoint(root, "big_async", model=big, num_kept_ckpts=1, async_save=True, timeout_s=30)
+    try:
+        nxd_ckpt.finalize_checkpoint()
+    except nxd_ckpt.RankFailureError as exc:
+        raised["async"] = exc.causes
+    complete = nxd_ckpt.list_checkpoints(root)
+    fresh = TinyShard(rank, seed_offset=9)
+    nxd_ckpt.load_checkpoint(root, model=fresh)
+    assert_bit_equal(expect, to_cpu_state(fresh.state_dict()))
+    # a save that fits still succeeds on the same disk, and retention replaces the old one
+    nxd_ckpt.save_checkpoint(root, "small2", model=fresh, num_kept_ckpts=1)
+    return {"raised": {k: {int(r): c for r, c in v.items()} for k, v in raised.items()},
+            "listing_after_sync": listing_after_sync, "complete": complete}
+
+
+def test_disk_full(small_disk):
+    import nxd_ckpt
+
+    root, inject = small_disk
+    results = run_ranks(_disk_full_rank, WORLD, root, inject, timeout=120)
+    for r, res in enumerate(results):
+        assert set(res["raised"]) == {"sync", "async"}, (r, res)        # raised on every rank, both modes
+        for mode, causes in res["raised"].items():
+            assert causes and all("No space left on device" in c for c in causes.values()), (r, mode, causes)
+        assert res["complete"] == ["small"], res
+    assert results[0]["listing_after_sync"] == ["newest", "small"], results[0]
+    assert nxd_ckpt.list_checkpoints(root) == ["small2"]
+    assert sorted(os.listdir(root)) == ["newest", "small2"]
+    _tag_files_exact(os.path.join(root, "small2"))
+
+
+def test_failed_prepare_leaks_neither_memory_nor_files(tmp_path):
+    """Rank 0 cannot even create the staging directory (disk full): the save raises, leaves no staging
+    directory, and gives back its host staging memory, so the next save with the same small budget runs."""
+    import nxd_ckpt
+    from nxd_ckpt.engine import get_engine
+    from nxd_ckpt.storage import set_write_hook
+    from tiny_models import TinyShard
+
+    root = str(tmp_path / "ckpt")
+    model = TinyShard(hidden=32)          # 4 KiB matrices: a 4 KiB budget stages one at a time
+    nxd_ckpt.save_checkpoint(root, "good", model=model)
+    budget = get_engine().budget
+    capacity = budget.capacity
+
+    def hook(rel):
+        if rel.startswith("bad"):
+            raise OSError(errno.ENOSPC, "No space left on device (injected)")
+
+    set_write_hook(hook)
+    try:
+        with pytest.raises(nxd_ckpt.RankFailureError, match="No space left on device") as info:
+            nxd_ckpt.save_checkpoint(root, "bad", model=model, host_memory_budget=4096, timeout_s=10)
+        assert "save again" in str(info.value)
+        set_write_hook(None)
+        assert sorted(os.listdir(root)) == ["good", "newest"]
+        nxd_ckpt.save_checkpoint(root, "next", model=model, host_memory_budget=4096, timeout_s=10)
+        assert budget.used == 0
+    finally:
+        set_write_hook(None)
+        budget.capacity = capacity
+    assert nxd_ckpt.list_checkpoints(root) == ["next", "good"]

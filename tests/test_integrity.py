@@ -1,0 +1,222 @@
+"""Damaged checkpoints: every kind of damage is caught on load, named, changes nothing, and tag=None falls
+back to the previous complete checkpoint. Checkpoints without a manifest (written by neuronx-distributed)
+still load, and a missing file in one is reported as damage."""
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+
+import pytest
+import torch
+
+from tiny_models import TinyShard, assert_bit_equal, to_cpu_state, train_steps, xla_device
+
+SHARD = "model/dp_rank_00_tp_rank_00_pp_rank_00.pt"
+OSHARD = "optim/dp_rank_00_tp_rank_00_pp_rank_00.pt"
+
+
+def _objects(seed_offset=0):
+    model = TinyShard(seed_offset=seed_offset)
+    opt = torch.optim.Adam(model.parameters(), lr=0.05)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    return model, opt, sched
+
+
+def _state(model, opt, sched):
+    return {"model": to_cpu_state(model.state_dict()), "optim": to_cpu_state(opt.state_dict()),
+            "sched": dict(sched.state_dict())}
+
+
+def _assert_state(want, model, opt, sched):
+    got = _state(model, opt, sched)
+    assert_bit_equal(want["model"], got["model"], "model")
+    assert_bit_equal(want["optim"], got["optim"], "optim")
+    assert want["sched"] == got["sched"]
+
+
+@pytest.fixture(scope="module")
+def pristine(tmp_path_factory):
+    """Two complete checkpoints, 'a' (step 1) and 'b' (step 2), and the state saved in each."""
+    import nxd_ckpt
+
+    root = str(tmp_path_factory.mktemp("integrity") / "ckpt")
+    model, opt, sched = _objects()
+    states = {}
+    for step, tag in ((1, "a"), (2, "b")):
+        train_steps(model, opt, 1, seed=3, sched=sched, start=step - 1)
+        states[tag] = _state(model, opt, sched)
+        nxd_ckpt.save_checkpoint(root, tag, model=model, optimizer=opt, scheduler=sched,
+                                 user_content={"step": step})
+    return root, states
+
+
+@pytest.fixture
+def ckpt(pristine, tmp_path):
+    root = str(tmp_path / "ckpt")
+    shutil.copytree(pristine[0], root)
+    return root, pristine[1]
+
+
+def _flip(path):
+    data = bytearray(open(path, "rb").read())
+    data[len(data) // 2] ^= 0x10
+    open(path, "wb").write(bytes(data))
+
+
+# damage -> (file it hits, relative to tag 'b'; what the message must also say)
+DAMAGE = {
+    "flip_tensor": (f"{SHARD}.tensors/tensor_0.pt", "fails its checksum"),
+    "flip_optim_tensor": (f"{OSHARD}.tensors/tensor_2.pt", "fails its checksum"),
+    "truncate_tensor": (f"{SHARD}.tensors/tensor_1.pt", "truncated"),
+    "delete_tensor": (f"{OSHARD}.tensors/tensor_1.pt", "missing"),
+    "delete_ref": (SHARD, "missing"),
+    "flip_ref": (OSHARD, "fails its checksum"),
+    "truncate_user_content": ("user_content.pt", "truncated"),
+    "delete_manifest": ("manifest.json", "missing"),
+}
+
+
+def _damage(tagdir, kind):
+    rel, _ = DAMAGE[kind]
+    path = os.path.join(tagdir, rel)
+    assert os.path.isfile(path), f"fixture lacks {rel}"
+    if kind.startswith("flip"):
+        _flip(path)
+    elif kind.startswith("truncate"):
+        os.truncate(path, os.path.getsize(path) - 5)
+    else:
+        os.unlink(path)
+    return rel
+
+
+@pytest.mark.parametrize("kind", list(DAMAGE))
+def test_damage_is_caught_named_and_harmless(ckpt, kind, caplog, capsys):
+    import nxd_ckpt
+    from nxd_ckpt.cli import main
+
+    root, states = ckpt
+    rel = _damage(os.path.join(root, "b"), kind)
+    full = f"b/{rel}"
+
+    model, opt, sched = _objects(seed_offset=5)
+    train_steps(model, opt, 1, seed=9, sched=sched)       # give the optimizer state to protect
+    before = _state(model, opt, sched)
+
+    # the explicit tag: raises, names the file, and changes nothing
+    with pytest.raises(nxd_ckpt.CorruptCheckpointError) as info:
+        nxd_ckpt.load_checkpoint(root, tag="b", model=model, optimizer=opt, scheduler=sched)
+    exc = info.value
+    msg = str(exc)
+    assert full in msg and exc.path == full, msg
+    assert DAMAGE[kind][1] in msg, msg
+    assert "tag=None" in msg or "verify" in msg, f"the message does not say what to do next: {msg}"
+    if kind.startswith("flip"):   # expected and found checksums
+        assert exc.expected and exc.found and exc.expected != exc.found
+        assert exc.expected in msg and exc.found in msg, msg
+    _assert_state(before, model, opt, sched)
+
+    # tag=None: skips 'b' with a warning naming the damage, loads 'a' bit for bit
+    with caplog.at_level(logging.WARNING, logger="nxd_ckpt"):
+        user = nxd_ckpt.load_checkpoint(root, model=model, optimizer=opt, scheduler=sched)
+    assert user == {"step": 1}
+    _assert_state(states["a"], model, opt, sched)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("b" in w and full in w for w in warnings), warnings
+
+    # the offline check agrees
+    code = main(["verify", os.path.join(root, "b")])
+    out = capsys.readouterr().out
+    assert code == 1, out
+    assert os.path.join(root, "b", rel) in out, out
+
+
+def test_intact_checkpoint_loads_bit_exact(ckpt):
+    import nxd_ckpt
+
+    root, states = ckpt
+    model, opt, sched = _objects(seed_offset=5)
+    assert nxd_ckpt.load_checkpoint(root, tag="a", model=model, optimizer=opt, scheduler=sched) == {"step": 1}
+    _assert_state(states["a"], model, opt, sched)
+    assert nxd_ckpt.load_checkpoint(root, model=model, optimizer=opt, scheduler=sched) == {"step": 2}
+    _assert_state(states["b"], model, opt, sched)
+
+
+def test_every_checkpoint_damaged(ckpt):
+    import nxd_ckpt
+
+    root, _ = ckpt
+    _damage(os.path.join(root, "a"), "flip_tensor")
+    _damage(os.path.join(root, "b"), "delete_ref")
+    model, opt, sched = _objects(seed_offset=5)
+    before = _state(model, opt, sched)
+    with pytest.raises(nxd_ckpt.CorruptCheckpointError, match="every complete checkpoint"):
+        nxd_ckpt.load_checkpoint(root, model=model, optimizer=opt, scheduler=sched)
+    _assert_state(before, model, opt, sched)
+
+
+# ---- checkpoints written by neuronx-distributed (no manifest) -----------------------------------------
+def _nxd_tag(root, tag, model, opt, sched, user):
+    """A tag as NxD writes it with xser: torch-xla's serialization.save (XLA tensors to tensor files, CPU
+    ones such as Adam's step inline), the `checkpoint` and `done` markers, no manifest."""
+    import torch_xla.utils.serialization as xser_tx
+
+    path = os.path.join(root, tag)
+    os.makedirs(os.path.join(path, "model"))
+    os.makedirs(os.path.join(path, "optim"))
+    open(os.path.join(path, "checkpoint"), "w").write("1")
+    xser_tx.save(model.state_dict(), os.path.join(path, SHARD))
+    xser_tx.save(opt.state_dict(), os.path.join(path, OSHARD))
+    torch.save(sched.state_dict(), os.path.join(path, "scheduler.pt"))
+    torch.save(user, os.path.join(path, "user_content.pt"))
+    open(os.path.join(path, "done"), "w").write("1")
+    return path
+
+
+@pytest.fixture
+def nxd_dir(tmp_path):
+    root = str(tmp_path / "nxd")
+    model, opt, sched = _objects()
+    states = {}
+    for step in (1, 2):
+        train_steps(model, opt, 1, seed=4, sched=sched, start=step - 1)
+        states[step] = _state(model, opt, sched)
+        _nxd_tag(root, f"nxd_{step}", model, opt, sched, {"step": step})
+        os.utime(os.path.join(root, f"nxd_{step}", "done"), (1000.0 * step, 1000.0 * step))
+    return root, states
+
+
+def test_nxd_checkpoint_loads(nxd_dir):
+    import nxd_ckpt
+
+    root, states = nxd_dir
+    assert not os.path.exists(os.path.join(root, "nxd_2", "manifest.json"))
+    assert os.path.isdir(os.path.join(root, "nxd_2", SHARD + ".tensors"))
+    model, opt, sched = _objects(seed_offset=5)
+    assert nxd_ckpt.list_checkpoints(root) == ["nxd_2", "nxd_1"]
+    assert nxd_ckpt.load_checkpoint(root, model=model, optimizer=opt, scheduler=sched) == {"step": 2}
+    _assert_state(states[2], model, opt, sched)
+
+    # nxd-ckpt starts saving into the same directory: the older NxD tags still load without a manifest
+    nxd_ckpt.save_checkpoint(root, "ours_3", model=model, optimizer=opt, scheduler=sched, user_content={"step": 3})
+    assert nxd_ckpt.load_checkpoint(root, tag="nxd_1", model=model, optimizer=opt, scheduler=sched) == {"step": 1}
+    _assert_state(states[1], model, opt, sched)
+
+
+@pytest.mark.parametrize("what", ["tensor", "ref"])
+def test_nxd_checkpoint_missing_file(nxd_dir, what, caplog):
+    import nxd_ckpt
+
+    root, states = nxd_dir
+    rel = f"{SHARD}.tensors/tensor_1.pt" if what == "tensor" else SHARD
+    os.unlink(os.path.join(root, "nxd_2", rel))
+    model, opt, sched = _objects(seed_offset=5)
+    before = _state(model, opt, sched)
+    with pytest.raises(nxd_ckpt.CorruptCheckpointError) as info:
+        nxd_ckpt.load_checkpoint(root, tag="nxd_2", model=model, optimizer=opt, scheduler=sched)
+    assert f"nxd_2/{rel}" in str(info.value) and "missing" in str(info.value)
+    _assert_state(before, model, opt, sched)
+    with caplog.at_level(logging.WARNING, logger="nxd_ckpt"):
+        assert nxd_ckpt.load_checkpoint(root, model=model, optimizer=opt, scheduler=sched) == {"step": 1}
+    _assert_state(states[1], model, opt, sched)
+    assert any(f"nxd_2/{rel}" in r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
