@@ -134,9 +134,10 @@ def scan_tags(storage: Storage) -> List[TagInfo]:
         done = f"{name}/{layout.DONE_MARKER}"
         complete = storage.exists(done)
         # A user's folder that happens to hold a file named `done` or `checkpoint` is not a tag: a tag
-        # has our manifest, NxD's `checkpoint` marker with model/ or optim/, or (older NxD, converter
-        # output) `done` with model/ or optim/.
-        if not _is_tag_dir(storage, name) and not (complete and _has_state_dirs(storage, name)):
+        # has our manifest, NxD's `checkpoint` marker with model/ or optim/, or `done` with model/, optim/
+        # or the `checkpoint` marker (older NxD, converter output, a save of user_content only).
+        if not _is_tag_dir(storage, name) and not (complete and (
+                _has_state_dirs(storage, name) or storage.exists(f"{name}/{layout.CHECKPOINT_MARKER}"))):
             continue
         when = storage.mtime(done) if complete else storage.mtime(name)
         out.append(TagInfo(name, complete, when, storage.exists(f"{name}/{layout.MANIFEST_FILE}")))

@@ -6,7 +6,7 @@ import atexit
 import logging
 import threading
 import time
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 
 from . import layout
@@ -26,6 +26,7 @@ EXIT_TIMEOUT_S = 600.0
 class Engine:
     def __init__(self):
         self.seq = 0
+        self._tag_saves: Dict[str, int] = {}
         self.runner: Optional[SaveRunner] = None
         self.budget: Optional[HostBudget] = None
         self.jobs: List[SaveJob] = []
@@ -38,7 +39,12 @@ class Engine:
                   timeout_s: float, budget_bytes: Optional[int], called_at: float) -> SaveJob:
         self._ensure_runner(world, budget_bytes)
         self.seq += 1
-        coord = Coordinator(default_store(), world.rank, world.world_size, f"nxd_ckpt/save/{self.seq}", timeout_s)
+        # Keys are per tag (and per save of that tag), not per call: a rank that raised before starting
+        # a save (a bad argument, a pending error) must never have its next save's files combined with
+        # another rank's save of a different tag, which would mark a checkpoint complete that lacks them.
+        self._tag_saves[tag] = self._tag_saves.get(tag, 0) + 1
+        prefix = f"nxd_ckpt/save/{tag}/{self._tag_saves[tag]}"
+        coord = Coordinator(default_store(), world.rank, world.world_size, prefix, timeout_s)
         job = SaveJob(
             seq=self.seq, tag=tag, storage=storage, rank=world.rank, coordinator=coord,
             manifest_info=_manifest_info(world, plan), num_kept=num_kept,
@@ -120,8 +126,22 @@ class Engine:
         with self._lock:
             return [j.tag for j in self.jobs if not j.finished.is_set()]
 
-    def raise_pending(self) -> None:
-        """Raise, once, the error of any finished background save (oldest first)."""
+    def raise_pending(self, starting: bool = True) -> None:
+        """Raise, once, the error of an earlier background save (oldest first). ``starting``: called by
+        save_checkpoint before it starts a save (which it then does not start).
+
+        Waits for the saves still in flight first: whether this call raises must not depend on how far
+        this rank's background happens to be, or one rank would skip the new save while the others start
+        it (and every later save would fail in turn). Their outcome is the same on every rank, and every
+        wait inside a save has a deadline."""
+        with self._lock:
+            pending = [j for j in self.jobs if not j.finished.is_set()]
+        for j in pending:
+            limit = 3 * j.coordinator.timeout_s + 60
+            if not j.finished.wait(limit):
+                raise RankFailureError(
+                    f"the previous checkpoint {j.tag!r} is still being written after {limit:.0f}s (its writes are "
+                    "stuck: check the filesystem); this save was not started")
         with self._lock:
             finished = [j for j in self.jobs if j.finished.is_set()]
         errors = []
@@ -131,7 +151,12 @@ class Engine:
                 errors.append(j.error)
                 j.error = None
         if errors:
-            raise errors[0]
+            err = errors[0]
+            if starting and isinstance(err, RankFailureError):
+                raise RankFailureError(
+                    f"an earlier asynchronous save failed: {err} This save_checkpoint call therefore saved nothing; "
+                    "call it again to save.", err.causes) from err
+            raise err
 
     def finalize(self, timeout_s: float) -> None:
         """Wait for every save in flight; raise the first background error once."""
@@ -141,7 +166,7 @@ class Engine:
         for j in jobs:
             if not j.finished.wait(max(0.0, deadline - time.monotonic())):
                 raise RankFailureError(f"checkpoint {j.tag!r} did not finish within {timeout_s:.0f}s")
-        self.raise_pending()
+        self.raise_pending(starting=False)
 
     def _retire(self, job: SaveJob) -> None:
         with self._lock:

@@ -314,8 +314,12 @@ def check_optimizer(optimizer, osd, saved_zero1: bool, tag: str) -> None:
 
 def apply_model(model, sd: dict, strict: bool) -> None:
     if isinstance(model, dict):
+        # Tensors bound for XLA tensors move in one batched transfer per device (as for a Module below).
+        on_xla = {k: model[k] for k, v in sd.items() if isinstance(v, torch.Tensor)
+                  and isinstance(model.get(k), torch.Tensor) and model[k].device.type == "xla"}
+        placed = _to_devices({k: sd[k] for k in on_xla}, on_xla)
         for k, v in sd.items():
-            model[k] = _place_like(v, model.get(k))
+            model[k] = placed[k] if k in placed else _place_like(v, model.get(k))
         return
     targets = model.state_dict()
     placed = _to_devices({k: v for k, v in sd.items() if k in targets}, targets)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import logging
+import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
@@ -21,7 +22,7 @@ import xser
 from . import hostgroups, layout
 from .errors import CorruptCheckpointError
 from .plan import assign_to_bins
-from .storage import Storage
+from .storage import LocalStorage, Storage
 
 log = logging.getLogger("nxd_ckpt")
 
@@ -79,6 +80,9 @@ class FileReader:
             raise CorruptCheckpointError(f"{exc}; {_NEXT}", path=f"{self.tag}/{relpath}") from exc
 
     def load_tensor(self, relpath: str) -> torch.Tensor:
+        direct = self._load_tensor_direct(relpath)
+        if direct is not None:
+            return direct
         data = self.read(relpath)
         try:
             return xser.read_tensor(io.BytesIO(data), trusted=self.trusted)
@@ -87,6 +91,56 @@ class FileReader:
         except (xser.XserError, RuntimeError, EOFError) as exc:
             raise CorruptCheckpointError(f"{self.tag}/{relpath} is damaged: {exc}; {_NEXT}",
                                          path=f"{self.tag}/{relpath}") from exc
+
+
+    def _load_tensor_direct(self, relpath: str) -> Optional[torch.Tensor]:
+        """Performance path for a local tensor file listed in the manifest: see ``_read_tensor_verified``.
+        None when it does not apply or the file does not verify; load_tensor then reads the bytes and
+        names the damage."""
+        entry = self.manifest["files"].get(relpath) if self.manifest is not None else None
+        if entry is None or not isinstance(self.storage, LocalStorage):
+            return None
+        full = f"{self.tag}/{relpath}"
+        try:
+            return _read_tensor_verified(self.storage.path(full), entry, self.trusted, full)
+        except xser.UnsafeCheckpointError:
+            raise
+        except Exception:  # noqa: BLE001 - any doubt: the byte-exact path decides and explains
+            return None
+
+
+def _read_tensor_verified(path: str, entry: dict, trusted: bool, name: str) -> Optional[torch.Tensor]:
+    """The tensor of a one-tensor torch.save file, loaded by torch.load straight from the file into its
+    storage (as torch-xla's own load does), verified against the manifest ``entry``: the size, and the
+    CRC32C over the file's bytes before the data record, the storage bytes torch.load produced, and the
+    bytes after the record -- the bytes read, not a second read. None when the layout is not that (no
+    single data record) or the checksum differs. Spares reading the file into ``bytes`` and copying it
+    again while deserialising (about half the CPU of a load, measured on the XLA CPU device).
+    """
+    with open(path, "rb", buffering=0) as f:
+        fd = f.fileno()
+        size = os.fstat(fd).st_size
+        if size != entry["size"]:
+            return None
+        src = f"/proc/self/fd/{fd}"          # the file opened above, even if the name is replaced meanwhile
+        if not os.path.exists(src):
+            src = path
+        records = [r for r in torch._C.PyTorchFileReader(src).get_all_records() if r.startswith("data/")]
+        if len(records) != 1:
+            return None
+        offset = torch._C.PyTorchFileReader(src).get_record_offset(records[0])
+        tensor = xser.read_tensor(src, trusted=trusted, name=name)
+        if not isinstance(tensor, torch.Tensor) or tensor.device.type != "cpu":
+            return None
+        storage = tensor.untyped_storage()
+        nbytes = storage.nbytes()
+        if offset + nbytes > size:
+            return None
+        body = torch.empty(0, dtype=torch.uint8).set_(storage)
+        crc = _crc32c.crc32c(os.pread(fd, offset, 0))
+        crc = _crc32c.crc32c(body.numpy(), crc)
+        crc = _crc32c.crc32c(os.pread(fd, size - offset - nbytes, offset + nbytes), crc)
+    return tensor if f"{crc:08x}" == entry["crc32c"] else None
 
 
 def collect_tids(ref_data) -> List[int]:

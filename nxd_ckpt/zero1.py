@@ -21,6 +21,7 @@ import multiprocessing
 import os
 import shutil
 import sys
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -151,10 +152,12 @@ def build_template(state, where: str) -> Tuple[Any, List[Slot], Dict[Any, tuple]
 
 # --- the row arithmetic ------------------------------------------------------------------------------
 def make_piece(r: int, load: Callable[[int], torch.Tensor], per_in: int, rows: int, tail: tuple, per_out: int,
-               dtype_of: Callable[[], torch.dtype], out: Optional[torch.Tensor] = None) -> torch.Tensor:
+               dtype_of: Callable[[], torch.dtype],
+               out_buffer: Optional[Callable[[], torch.Tensor]] = None) -> torch.Tensor:
     """Output piece ``r`` ((per_out, *tail) rows ``[r*per_out, (r+1)*per_out)`` of the padded parameter),
-    assembled from the input pieces ``load(j)`` (each (per_in, *tail)) that overlap it. With ``out`` (a
-    (per_out, *tail) tensor) the piece is assembled there, unless it is one whole input piece."""
+    assembled from the input pieces ``load(j)`` (each (per_in, *tail)) that overlap it. ``out_buffer()``
+    gives a (per_out, *tail) tensor to assemble it in (else a new one); a piece that is exactly one input
+    piece is returned as it is."""
     a, b = r * per_out, (r + 1) * per_out
     end = min(b, rows)
     parts = []
@@ -169,7 +172,9 @@ def make_piece(r: int, load: Callable[[int], torch.Tensor], per_in: int, rows: i
     pad = b - max(a, end)
     if len(parts) == 1 and not pad:
         return parts[0]
-    if out is None:
+    if out_buffer is not None:
+        out = out_buffer()
+    else:
         out = torch.empty((per_out, *tail), dtype=parts[0].dtype if parts else dtype_of())
     row = 0
     for p in parts:
@@ -228,12 +233,12 @@ class Geometry:
 
 
 def stream_pieces(geo: Geometry, load_raw: Callable[[int], Tuple[torch.Tensor, str]],
-                  buffers: Optional[Dict[tuple, torch.Tensor]] = None):
+                  buffers: Optional["BufferRing"] = None):
     """Yield (r, piece) for every output rank, keeping only the overlapping input pieces in memory.
 
-    With ``buffers`` (a dict the caller keeps across calls) pieces are assembled in reused buffers, which
-    saves allocating (and page-faulting) fresh memory for every piece; the caller must then be done with a
-    piece before asking for the next one."""
+    With ``buffers`` (a BufferRing the caller keeps across calls) pieces are assembled in reused buffers,
+    which saves allocating (and page-faulting) fresh memory for every piece; the caller must then be done
+    with a piece before the ring comes back to its buffer (``buffers.size`` pieces later)."""
     cache: Dict[int, torch.Tensor] = {}
     rows, tail = geo.rows_tail
     per_in, per_out = geo.per_in, geo.per_out
@@ -254,14 +259,10 @@ def stream_pieces(geo: Geometry, load_raw: Callable[[int], Tuple[torch.Tensor, s
         return dtype[0] if dtype else load(0).dtype
 
     for r in range(geo.g_out):
-        out = None
+        out_buffer = None
         if buffers is not None:
-            key = ((per_out, *tail), dtype_of())
-            out = buffers.get(key)
-            if out is None:
-                buffers.clear()  # keep one buffer: the previous parameter's is not needed any more
-                out = buffers[key] = torch.empty(key[0], dtype=key[1])
-        piece = make_piece(r, load, per_in, rows, tail, per_out, dtype_of, out)
+            out_buffer = lambda: buffers.next((per_out, *tail), dtype_of())  # noqa: E731
+        piece = make_piece(r, load, per_in, rows, tail, per_out, dtype_of, out_buffer)
         b = (r + 1) * per_out
         for j in [j for j in cache if (j + 1) * per_in <= b]:
             del cache[j]
@@ -344,6 +345,7 @@ class ConvertResult:
     files_written: int
     linked: int
     copied: int
+    seconds: float = 0.0
 
     def to_json(self) -> dict:
         return dict(self.__dict__)
@@ -389,6 +391,7 @@ def convert_zero1(input_dir: str, output_dir: str, *, to_full: bool = False, dp_
             raise CheckpointArgumentError(f"--dp_size must be a positive integer with --convert_to_sharded, got {dp_size!r}")
     if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
         raise CheckpointArgumentError(f"--num_workers must be a positive integer, got {num_workers!r}")
+    started = time.monotonic()
     src, dst = _resolve_paths(input_dir, output_dir, overwrite)
     tag_mode = os.path.isdir(os.path.join(src, layout.OPTIM_DIR))
     if tag_mode:
@@ -473,7 +476,7 @@ def convert_zero1(input_dir: str, output_dir: str, *, to_full: bool = False, dp_
         _BUFFERS.clear()
     nparams = sum(len(g.shape_info) for g in groups)
     return ConvertResult(dst, None if full_in else g_in, None if to_full else g_out, xser_in, len(groups), nparams,
-                         sum(r.size for r in written), len(written), linked, copied)
+                         sum(r.size for r in written), len(written), linked, copied, time.monotonic() - started)
 
 
 # --- workers --------------------------------------------------------------------------------------
@@ -486,7 +489,32 @@ class _WorkerContext:
 
 
 _CTX: Optional[_WorkerContext] = None
-_BUFFERS: Dict[tuple, torch.Tensor] = {}   # one reused output-piece buffer per process
+
+
+class BufferRing:
+    """``size`` reusable output-piece buffers of one shape and dtype, handed out in turn."""
+
+    def __init__(self, size: int = 2):
+        self.size = size
+        self._key = None
+        self._bufs: List[Optional[torch.Tensor]] = []
+        self._i = 0
+
+    def next(self, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+        if self._key != (shape, dtype):
+            # A new shape: forget the old buffers (a write still in flight keeps its own reference).
+            self._key, self._bufs, self._i = (shape, dtype), [None] * self.size, 0
+        k = self._i % self.size
+        self._i += 1
+        if self._bufs[k] is None:
+            self._bufs[k] = torch.empty(shape, dtype=dtype)
+        return self._bufs[k]
+
+    def clear(self) -> None:
+        self._key, self._bufs = None, []
+
+
+_BUFFERS = BufferRing(2)   # per process: two pieces, one being written while the next is assembled
 
 
 def _init_worker(ctx: _WorkerContext) -> None:
@@ -503,20 +531,36 @@ def _load_leaf(reader: CheckedReader, spec) -> Tuple[torch.Tensor, str]:
 
 
 def _run_unit(unit: dict) -> List[tuple]:
-    """Re-shard every state tensor of one parameter; write each output tensor file at once."""
+    """Re-shard every state tensor of one parameter; write each output tensor file as soon as it is
+    assembled, on a writer thread, so that writing piece r overlaps reading and assembling piece r+1."""
+    from concurrent.futures import ThreadPoolExecutor
+
     ctx = _CTX
     reader = CheckedReader(ctx.in_root, ctx.manifest, ctx.trusted)
     out = LocalStorage(ctx.out_root)
     geo: Geometry = unit["geometry"]
     results = []
-    buffers = _BUFFERS
-    for _label, specs, tid in unit["keys"]:
-        for r, piece in stream_pieces(geo, lambda j, specs=specs: _load_leaf(reader, specs[j]), buffers):
-            rel = layout.tensor_path(unit["out_rels"][r], tid)
-            rec = out.write_file(rel, lambda f, t=piece: xser.write_tensor(t, f), durable=False)
-            results.append((rel, rec.size, rec.crc32c, unit["out_rels"][r], tid, str(piece.dtype).replace("torch.", ""),
-                            list(piece.shape)))
-            del piece
+    pending: List = []
+
+    def write(rel, out_rel, tid, piece):
+        rec = out.write_file(rel, lambda f: xser.write_tensor(piece, f), durable=False)
+        return (rel, rec.size, rec.crc32c, out_rel, tid, str(piece.dtype).replace("torch.", ""), list(piece.shape))
+
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="nxd_ckpt-convert-write") as writer:
+        try:
+            for _label, specs, tid in unit["keys"]:
+                for r, piece in stream_pieces(geo, lambda j, specs=specs: _load_leaf(reader, specs[j]), _BUFFERS):
+                    out_rel = unit["out_rels"][r]
+                    pending.append(writer.submit(write, layout.tensor_path(out_rel, tid), out_rel, tid, piece))
+                    del piece
+                    # At most one write in flight once the next piece is assembled: the ring has two buffers.
+                    while len(pending) > 1:
+                        results.append(pending.pop(0).result())
+            while pending:
+                results.append(pending.pop(0).result())
+        finally:
+            for f in pending:
+                f.cancel()
     return results
 
 

@@ -289,8 +289,10 @@ def main(argv=None) -> int:
         res["baseline_rss"] = max(startup["peak_rss_sampled"], startup["maxrss_time"] or 0)
         conv = run_measured([sys.executable, "-m", "nxd_ckpt.cli", "convert-zero1", "--input_dir",
                              os.path.join(work, "src"), "--output_dir", os.path.join(work, "dp2"),
-                             "--convert_to_sharded", "--dp_size", "2", "--num_workers", str(args.num_workers)], env)
+                             "--convert_to_sharded", "--dp_size", "2", "--num_workers", str(args.num_workers),
+                             "--json"], env)
         res["convert_s"] = conv["wall_s"]
+        res["convert_internal_s"] = json.loads(conv["stdout"])["seconds"]
         res["convert_peak_rss_sampled"] = conv["peak_rss_sampled"]
         res["convert_maxrss_time"] = conv["maxrss_time"]
         out_bytes = sum(os.path.getsize(os.path.join(r, f)) for r, _d, fs in os.walk(os.path.join(work, "dp2", "optim"))
@@ -308,7 +310,7 @@ def main(argv=None) -> int:
         res["rss_over_baseline"] = peak - res["baseline_rss"]
         res["rss_over_baseline_ok"] = res["rss_over_baseline"] <= 2 * res["largest_param_full_state_bytes"]
         res["time_ok"] = res["convert_s"] <= res["time_limit_s"]
-        res["time_ok_excluding_startup"] = res["convert_s"] - res["python_startup_s"] <= res["time_limit_s"]
+        res["time_ok_excluding_startup"] = res["convert_internal_s"] <= res["time_limit_s"]
         shutil.rmtree(os.path.join(work, "dp2"), ignore_errors=True)
         shutil.rmtree(os.path.join(work, "src"), ignore_errors=True)
 
@@ -346,9 +348,10 @@ def main(argv=None) -> int:
         ("optimizer state (DP=8 -> DP=2)", gb(res["optim_bytes"]), ""),
         ("parameters / largest full state", f"{res['params']} / {gb(res['largest_param_full_state_bytes'])}", ""),
         ("disk write+fsync / read (GB/s)", f"{disk['write_gbps']:.2f} / {disk['read_gbps']:.2f}", ""),
-        ("convert-zero1 wall time", f"{res['convert_s']:.2f} s (startup {res['python_startup_s']:.2f} s)",
+        ("convert-zero1 wall time", f"{res['convert_s']:.2f} s (conversion itself {res['convert_internal_s']:.2f} s, "
+                                    f"python+torch startup ~{res['python_startup_s']:.2f} s)",
          f"limit {res['time_limit_s']:.2f} s: {'OK' if res['time_ok'] else 'OVER'}"
-         + ("" if res["time_ok"] else f" (excl. startup: {'OK' if res['time_ok_excluding_startup'] else 'OVER'})")),
+         + ("" if res["time_ok"] else f" (conversion itself: {'OK' if res['time_ok_excluding_startup'] else 'OVER'})")),
         ("convert-zero1 peak memory (tree PSS / max RSS)",
          f"{gb(res['convert_peak_rss_sampled'])} / {gb(res['convert_maxrss_time'] or 0)}",
          f"limit {gb(res['rss_limit'])}: {'OK' if res['rss_ok'] else 'OVER'}"),

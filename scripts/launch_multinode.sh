@@ -39,7 +39,7 @@ while [[ $# -gt 0 ]]; do
     --port) PORT="$2"; shift 2 ;;
     --out) OUT="$2"; shift 2 ;;
     --) shift; EXTRA=("$@"); break ;;
-    -h|--help) sed -n '2,18p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,17p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "launch_multinode.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
 done

@@ -47,9 +47,9 @@ FAST_CPU_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expens
 if os.environ["PJRT_DEVICE"] == "CPU" and FAST_CPU_COMPILE not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {FAST_CPU_COMPILE}".strip()
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
 
 
 def parse_args(argv=None):
@@ -392,7 +392,7 @@ def main(argv=None):
     if args.global_batch % dp_size:
         sys.exit(f"train_demo.py: --global-batch {args.global_batch} does not split over DP={dp_size}")
     local_batch = args.global_batch // dp_size
-    say = (lambda *a: print(f"[train_demo]", *a, flush=True)) if rank == 0 else (lambda *a: None)
+    say = (lambda *a: print("[train_demo]", *a, flush=True)) if rank == 0 else (lambda *a: None)
 
     device = torch_xla.device()
     model = TinyLM(args, device)
@@ -420,12 +420,13 @@ def main(argv=None):
         say(f"starting from scratch; TP={TP.size} DP={dp_size} world={world} zero1={args.zero1}")
 
     if args.crash_at_step is not None:
+        from nxd_ckpt.commit import STAGING_SUFFIX
         from nxd_ckpt.storage import set_write_hook
 
-        crash_prefix = f"step_{args.crash_at_step}{'.nxdtmp'}/"
+        crash_tag = f"step_{args.crash_at_step}"
 
         def slow_writes(relpath):   # hold back every file of the crash step's save: it stays in flight
-            if relpath.startswith(crash_prefix) or relpath.startswith(f"step_{args.crash_at_step}/"):
+            if relpath.startswith((f"{crash_tag}{STAGING_SUFFIX}/", f"{crash_tag}/")):
                 time.sleep(args.crash_write_delay)
 
         set_write_hook(slow_writes)

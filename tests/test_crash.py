@@ -207,3 +207,53 @@ def test_failed_prepare_leaks_neither_memory_nor_files(tmp_path):
         set_write_hook(None)
         budget.capacity = capacity
     assert nxd_ckpt.list_checkpoints(root) == ["next", "good"]
+
+
+def _caught_failure_rank(rank, world, root):
+    import time
+
+    import torch
+
+    import nxd_ckpt
+    from nxd_ckpt.storage import set_write_hook
+
+    def hook(rel):
+        if rel.startswith("bad.") and ".tensors/" in rel:
+            if rank == 1:
+                raise OSError(errno.ENOSPC, "No space left on device (injected)")
+            time.sleep(0.5)      # rank 0 is still busy with 'bad' when it starts the next save
+
+    set_write_hook(hook)
+    state = {f"t{i}": torch.full((4,), float(i)) for i in range(4)}   # replicated: both ranks write files
+    nxd_ckpt.save_checkpoint(root, "bad", model=state, async_save=True, timeout_s=20)
+    if rank == 1:
+        time.sleep(2.0)          # ... while rank 1's 'bad' has already failed when it starts the next save
+    raised = []
+    for tag in ("s0", "s1"):
+        try:
+            nxd_ckpt.save_checkpoint(root, tag, model=state, async_save=True, timeout_s=20)
+        except nxd_ckpt.RankFailureError as exc:
+            raised.append((tag, str(exc)))
+    nxd_ckpt.finalize_checkpoint()
+    return raised
+
+
+def test_a_caught_async_failure_leaves_the_ranks_in_step(tmp_path):
+    """A training loop that catches a failed async save and carries on: the failure is raised once on
+    every rank, by the same call (which saves nothing and says so), and every later checkpoint is complete
+    and intact: the ranks never combine files of different saves."""
+    import nxd_ckpt
+
+    root = str(tmp_path / "ckpt")
+    results = run_ranks(_caught_failure_rank, WORLD, root, timeout=120)
+    for r, raised in enumerate(results):
+        assert [t for t, _ in raised] == ["s0"], (r, raised)
+        assert "'bad'" in raised[0][1] and "No space left on device" in raised[0][1]
+        assert "call it again" in raised[0][1]
+    assert nxd_ckpt.list_checkpoints(root) == ["s1"]
+    assert sorted(os.listdir(root)) == ["newest", "s1"]
+    for tag in ("s1",):
+        _tag_files_exact(os.path.join(root, tag))
+        target = {}
+        nxd_ckpt.load_checkpoint(root, tag=tag, model=target)   # every file against its checksum
+        assert sorted(target) == ["t0", "t1", "t2", "t3"]

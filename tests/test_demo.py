@@ -10,7 +10,6 @@ import subprocess
 import sys
 
 import pytest
-
 from harness import run_ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

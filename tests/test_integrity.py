@@ -10,7 +10,7 @@ import shutil
 import pytest
 import torch
 
-from tiny_models import TinyShard, assert_bit_equal, to_cpu_state, train_steps, xla_device
+from tiny_models import TinyShard, assert_bit_equal, to_cpu_state, train_steps
 
 SHARD = "model/dp_rank_00_tp_rank_00_pp_rank_00.pt"
 OSHARD = "optim/dp_rank_00_tp_rank_00_pp_rank_00.pt"
@@ -74,6 +74,7 @@ DAMAGE = {
     "flip_ref": (OSHARD, "fails its checksum"),
     "truncate_user_content": ("user_content.pt", "truncated"),
     "delete_manifest": ("manifest.json", "missing"),
+    "garble_manifest": ("manifest.json", "unreadable"),
 }
 
 
@@ -85,6 +86,8 @@ def _damage(tagdir, kind):
         _flip(path)
     elif kind.startswith("truncate"):
         os.truncate(path, os.path.getsize(path) - 5)
+    elif kind.startswith("garble"):
+        open(path, "w").write('{"format": "nxd-ckpt-manifest", "files": {')
     else:
         os.unlink(path)
     return rel

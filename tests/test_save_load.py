@@ -47,9 +47,19 @@ def _layout_rank(rank, world, root, tp, pp, use_xser):
 
     reads = []
     original = reader.FileReader.read
+    original_direct = reader.FileReader._load_tensor_direct   # tensor files read straight into tensors
+
+    def direct(self, rel):
+        tensor = original_direct(self, rel)
+        if tensor is not None:
+            reads.append(rel)
+        return tensor
+
     reader.FileReader.read = lambda self, rel: (reads.append(rel), original(self, rel))[1]
+    reader.FileReader._load_tensor_direct = direct
     uc = nxd_ckpt.load_checkpoint(root, model=fresh, optimizer=fresh_opt, scheduler=fresh_sched)
     reader.FileReader.read = original
+    reader.FileReader._load_tensor_direct = original_direct
     assert uc == {"step": 2, "note": "hi"}
     assert all(p.device.type == "xla" for p in fresh.parameters())
     assert_bit_equal(saved_model, to_cpu_state(fresh.state_dict()), "model")

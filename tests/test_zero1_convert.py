@@ -12,7 +12,7 @@ from nxd_ckpt import layout
 from nxd_ckpt.cli import convert_zero1_main, main
 from nxd_ckpt.testing.zero1_adam import shard_of
 from nxd_ckpt.verify import verify_tag
-from nxd_ckpt.zero1 import Geometry, stream_pieces
+from nxd_ckpt.zero1 import BufferRing, Geometry, stream_pieces
 from test_cli_fixtures import (SHAPES, assert_bit_equal, full_zero1_params, load_shard, write_tag, zero1_states,
                                zero1_tag)
 
@@ -49,6 +49,10 @@ def test_stream_pieces_matches_reference(shape, g_in, g_out):
     for r, piece in got:
         assert_bit_equal(shard_of(full, r, g_out), piece, f"piece {r}")
     assert len(loaded) == len(set(loaded))  # each input piece read once
+    ring = BufferRing(1)  # reused buffers: the consumer copies each piece before asking for the next
+    got = [(r, p.clone()) for r, p in stream_pieces(geo, lambda j: (ins[j], f"in{j}"), ring)]
+    for r, piece in got:
+        assert_bit_equal(shard_of(full, r, g_out), piece, f"piece {r} (ring)")
     # to full and back from full
     (r, f), = list(stream_pieces(Geometry(shape, g_in, False, 1, True), lambda j: (ins[j], "x")))
     assert_bit_equal(full, f)
