@@ -50,9 +50,13 @@ def save_checkpoint(checkpoint_dir_str, tag, model=None, optimizer=None, schedul
     engine.snapshot(job, plan, on_device=device_snapshot, timeout_s=timeout_s)
     job.stats["stall_s"] = time.monotonic() - called_at
     job.stats["staged_bytes"] = plan.staged_bytes()
+    job.stats["ordering_wait_s"] = engine.last_ordering_wait_s
+    engine.last_ordering_wait_s = 0.0
     if not async_save:
-        engine.wait(job, timeout_s + 60)
-        job.stats["stall_s"] = time.monotonic() - called_at
+        try:
+            engine.wait(job, timeout_s + 60)
+        finally:
+            job.stats["stall_s"] = time.monotonic() - called_at
 
 
 def _check_writable(root: str) -> None:

@@ -32,6 +32,7 @@ class Engine:
         self.jobs: List[SaveJob] = []
         self.history: List[dict] = []
         self.loading: set = set()
+        self.last_ordering_wait_s = 0.0
         self._lock = threading.Lock()
 
     # --- saves -------------------------------------------------------------------------------------
@@ -136,12 +137,19 @@ class Engine:
         wait inside a save has a deadline."""
         with self._lock:
             pending = [j for j in self.jobs if not j.finished.is_set()]
+        started = time.monotonic()
         for j in pending:
             limit = 3 * j.coordinator.timeout_s + 60
             if not j.finished.wait(limit):
                 raise RankFailureError(
                     f"the previous checkpoint {j.tag!r} is still being written after {limit:.0f}s (its writes are "
                     "stuck: check the filesystem); this save was not started")
+        waited = time.monotonic() - started
+        if pending and starting:
+            self.last_ordering_wait_s = waited
+            if waited > 0.01:
+                log.info("nxd_ckpt: waited %.3fs for the previous checkpoint %s to commit before starting this one "
+                         "(save less often than a commit takes to avoid this stall)", waited, pending[-1].tag)
         with self._lock:
             finished = [j for j in self.jobs if j.finished.is_set()]
         errors = []
@@ -172,7 +180,8 @@ class Engine:
         with self._lock:
             if job in self.jobs:
                 self.jobs.remove(job)
-                self.history.append(dict(job.stats, ok=job.error is None))
+                job.stats["ok"] = job.error is None
+                self.history.append(job.stats)
                 _log_done(job)
 
     def shutdown_at_exit(self) -> None:
