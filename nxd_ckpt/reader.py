@@ -143,27 +143,6 @@ def _read_tensor_verified(path: str, entry: dict, trusted: bool, name: str) -> O
     return tensor if f"{crc:08x}" == entry["crc32c"] else None
 
 
-def collect_tids(ref_data) -> List[int]:
-    tids = set()
-
-    def walk(obj):
-        if isinstance(obj, xser.TensorReference):
-            tids.add(obj.tid)
-        elif isinstance(obj, dict):
-            for k, v in obj.items():
-                walk(k)
-                walk(v)
-        elif isinstance(obj, (list, tuple, set, frozenset)):
-            for v in obj:
-                walk(v)
-        elif hasattr(obj, "__dict__") and not isinstance(obj, type):
-            for v in vars(obj).values():
-                walk(v)
-
-    walk(ref_data)
-    return sorted(tids)
-
-
 @dataclass
 class ShardRead:
     """Phase one of reading a shard: the ref data and the tensors this rank read itself."""
@@ -182,7 +161,7 @@ def read_shard(reader: FileReader, relpath: str, replicas: List[int], rank: int,
     """Read the ref (and info) of a shard and this rank's share of its tensors (all of them when the
     replicas cannot cooperate: no info file, or no process group)."""
     ref_data = reader.load_pickle(relpath)
-    tids = collect_tids(ref_data)
+    tids = sorted(xser.collect_tids(ref_data))
     info = None
     if tids and reader.exists(layout.info_path(relpath)):
         info = reader.load_pickle(layout.info_path(relpath))
