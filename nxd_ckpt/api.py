@@ -11,7 +11,7 @@ from .capture import build_plan, validate_save_args
 from .engine import get_engine
 from .errors import CheckpointArgumentError, CheckpointNotFoundError, CorruptCheckpointError
 from .loader import (agree, apply_ignore_keys, apply_model, apply_optimizer, candidate_tags, check_model,
-                     check_optimizer, read_tag)
+                     check_optimizer, copies_every_tensor, read_tag)
 from .storage import open_storage
 from .world import current_world
 
@@ -122,7 +122,8 @@ def load_checkpoint(path, tag=None, model=None, optimizer=None, scheduler=None, 
 
 def _load_one(storage, tag, world, model, optimizer, scheduler, num_workers, strict, ignore_keys, trusted):
     state = read_tag(storage, tag, world, want_model=model is not None, want_optim=optimizer is not None,
-                     want_scheduler=scheduler is not None, num_workers=num_workers, trusted=trusted)
+                     want_scheduler=scheduler is not None, num_workers=num_workers, trusted=trusted,
+                     mapped=copies_every_tensor(model, optimizer))
     error = None
     try:
         patterns = apply_ignore_keys(state, ignore_keys)

@@ -123,9 +123,10 @@ def agree(error: Optional[BaseException]) -> None:
 
 
 def read_tag(storage: Storage, tag: str, world: World, *, want_model: bool, want_optim: bool,
-             want_scheduler: bool, num_workers: int, trusted: bool) -> dict:
+             want_scheduler: bool, num_workers: int, trusted: bool, mapped: bool = False) -> dict:
     """Every rank: read this rank's state of ``tag`` into host memory, verified. If any rank fails
-    (damage, missing shard, topology), every rank raises, after agreeing; nothing has been changed."""
+    (damage, missing shard, topology), every rank raises, after agreeing; nothing has been changed.
+    ``mapped``: large tensor files may be returned memory-mapped (see ``copies_every_tensor``)."""
     state: Dict[str, object] = {}
     error: Optional[BaseException] = None
     try:
@@ -140,7 +141,7 @@ def read_tag(storage: Storage, tag: str, world: World, *, want_model: bool, want
                 "checksums", path=rel)
         saved = saved_topology(storage, tag, manifest)
         check_topology(tag, saved, world, want_optim)
-        reader = FileReader(storage, tag, manifest, trusted)
+        reader = FileReader(storage, tag, manifest, trusted, mapped=mapped)
         state = _read_parts(reader, saved, world, want_model, want_optim, want_scheduler, num_workers)
         state["manifest"], state["saved"] = manifest, saved
     except ValueError as exc:
@@ -153,6 +154,25 @@ def read_tag(storage: Storage, tag: str, world: World, *, want_model: bool, want
     agree(error)
     _share(state, world)
     return state
+
+
+def copies_every_tensor(model, optimizer) -> bool:
+    """True when applying a checkpoint to these targets copies every loaded tensor of a size worth
+    mapping into a tensor of the target (a module's parameters and buffers; device tensors of a dict
+    model; a torch optimizer whose parameters are all XLA tensors: load_state_dict moves its state
+    to the parameters' device, except ``step``, which is small), so the loaded host tensors may be
+    memory-mapped files: none of them outlives the load. False when unsure."""
+    if isinstance(model, dict):
+        if not all(v.device.type == "xla" for v in model.values() if isinstance(v, torch.Tensor)):
+            return False
+    elif model is not None and not isinstance(model, torch.nn.Module):
+        return False
+    if optimizer is not None:
+        groups = None if isinstance(optimizer, dict) else getattr(optimizer, "param_groups", None)
+        if not groups or not all(isinstance(p, torch.Tensor) and p.device.type == "xla"
+                                 for g in groups for p in g.get("params", [])):
+            return False
+    return True
 
 
 def _read_parts(reader: FileReader, saved: dict, world: World, want_model: bool, want_optim: bool,
@@ -319,7 +339,12 @@ def apply_model(model, sd: dict, strict: bool) -> None:
                   and isinstance(model.get(k), torch.Tensor) and model[k].device.type == "xla"}
         placed = _to_devices({k: sd[k] for k in on_xla}, on_xla)
         for k, v in sd.items():
-            model[k] = placed[k] if k in placed else _place_like(v, model.get(k))
+            if k in placed:
+                model[k] = placed[k]
+            elif k not in model and isinstance(v, torch.Tensor):
+                model[k] = v.clone()      # a key new to the dict keeps a tensor of its own (never a file map)
+            else:
+                model[k] = _place_like(v, model.get(k))
         return
     targets = model.state_dict()
     placed = _to_devices({k: v for k, v in sd.items() if k in targets}, targets)
@@ -358,10 +383,13 @@ def _to_devices(sd: Dict[str, torch.Tensor], targets: Dict[str, torch.Tensor]) -
         if not isinstance(v, torch.Tensor):
             continue
         v = v.to(dtype=t.dtype) if v.dtype != t.dtype else v
-        if t.device.type == "xla":
+        if t.device.type == "xla" and v.device.type == "cpu":
             by_device.setdefault(t.device, []).append(k)
             out[k] = v
+        elif t.device.type == "xla" and v.device != t.device:
+            out[k] = v.to(t.device)
         else:
+            # already on its device: send_cpu_data_to_device would copy.copy it through the host
             out[k] = v
     for dev, keys in by_device.items():
         import torch_xla.core.xla_model as xm

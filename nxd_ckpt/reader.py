@@ -39,6 +39,9 @@ class FileReader:
     tag: str
     manifest: Optional[dict]
     trusted: bool = False
+    # Tensor files may come back memory-mapped (see _read_tensor_mapped): only when the caller copies
+    # every loaded tensor into a device tensor or an existing parameter and keeps none of them.
+    mapped: bool = False
 
     def read(self, relpath: str) -> bytes:
         full = f"{self.tag}/{relpath}"
@@ -92,30 +95,39 @@ class FileReader:
             raise CorruptCheckpointError(f"{self.tag}/{relpath} is damaged: {exc}; {_NEXT}",
                                          path=f"{self.tag}/{relpath}") from exc
 
-
     def _load_tensor_direct(self, relpath: str) -> Optional[torch.Tensor]:
-        """Performance path for a local tensor file listed in the manifest: see ``_read_tensor_verified``.
-        None when it does not apply or the file does not verify; load_tensor then reads the bytes and
-        names the damage."""
+        """With ``mapped``: a large local tensor file listed in the manifest, memory-mapped and verified
+        (``_read_tensor_mapped``). None when that does not apply or the file does not verify; load_tensor
+        then reads the bytes and names the damage."""
         entry = self.manifest["files"].get(relpath) if self.manifest is not None else None
-        if entry is None or not isinstance(self.storage, LocalStorage):
+        if (not self.mapped or entry is None or entry["size"] < MAPPED_MIN_BYTES
+                or not isinstance(self.storage, LocalStorage)):
             return None
         full = f"{self.tag}/{relpath}"
         try:
-            return _read_tensor_verified(self.storage.path(full), entry, self.trusted, full)
+            return _read_tensor_mapped(self.storage.path(full), entry, self.trusted, full)
         except xser.UnsafeCheckpointError:
             raise
         except Exception:  # noqa: BLE001 - any doubt: the byte-exact path decides and explains
             return None
 
 
-def _read_tensor_verified(path: str, entry: dict, trusted: bool, name: str) -> Optional[torch.Tensor]:
-    """The tensor of a one-tensor torch.save file, loaded by torch.load straight from the file into its
-    storage (as torch-xla's own load does), verified against the manifest ``entry``: the size, and the
-    CRC32C over the file's bytes before the data record, the storage bytes torch.load produced, and the
-    bytes after the record -- the bytes read, not a second read. None when the layout is not that (no
-    single data record) or the checksum differs. Spares reading the file into ``bytes`` and copying it
-    again while deserialising (about half the CPU of a load, measured on the XLA CPU device).
+#: Smaller tensor files (Adam's ``step``, biases) are read into memory: a mapping is not worth it, and
+#: optimizers keep some small host tensors (``step``) as loaded.
+MAPPED_MIN_BYTES = 1 << 20
+
+
+def _read_tensor_mapped(path: str, entry: dict, trusted: bool, name: str) -> Optional[torch.Tensor]:
+    """The tensor of a one-tensor torch.save file, backed by a private mapping of the file
+    (``torch.load(mmap=True)``), verified against the manifest ``entry``: size, and CRC32C over the bytes
+    before the data record, the mapped storage itself (this pass pages the file in) and the bytes after
+    it. None when the layout is not that (not exactly one data record) or the checksum differs.
+
+    The host-to-device copy then reads the page cache directly: no ``bytes`` copy of the file, no second
+    copy while deserialising, no freshly faulted anonymous memory. On the XLA CPU device (2 cores) a cold
+    1 GB load in 300 tensors took 1.0 s of CPU instead of 1.9 s, and 0.9-1.1 s instead of 1.4-1.7 s.
+    Checkpoint files are immutable once committed (written to a temporary name and renamed), so the
+    bytes verified are the bytes transferred; a file removed meanwhile stays readable through the map.
     """
     with open(path, "rb", buffering=0) as f:
         fd = f.fileno()
@@ -125,11 +137,13 @@ def _read_tensor_verified(path: str, entry: dict, trusted: bool, name: str) -> O
         src = f"/proc/self/fd/{fd}"          # the file opened above, even if the name is replaced meanwhile
         if not os.path.exists(src):
             src = path
-        records = [r for r in torch._C.PyTorchFileReader(src).get_all_records() if r.startswith("data/")]
+        zip_reader = torch._C.PyTorchFileReader(src)
+        records = [r for r in zip_reader.get_all_records() if r.startswith("data/")]
         if len(records) != 1:
             return None
-        offset = torch._C.PyTorchFileReader(src).get_record_offset(records[0])
-        tensor = xser.read_tensor(src, trusted=trusted, name=name)
+        offset = zip_reader.get_record_offset(records[0])
+        del zip_reader
+        tensor = xser.read_tensor(src, trusted=trusted, name=name, mmap=True)
         if not isinstance(tensor, torch.Tensor) or tensor.device.type != "cpu":
             return None
         storage = tensor.untyped_storage()

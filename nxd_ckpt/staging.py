@@ -11,14 +11,16 @@ stages every tensor through an intermediate host literal before building the CPU
 over a whole snapshot allocates (and page-faults in) twice the snapshot, while sub-batches recycle a
 small, already-mapped literal buffer. Measured on the XLA CPU device (2 cores): 1 GB in 10 MB tensors
 took 1.1-1.8 s as one call and 0.2-0.3 s in 16-128 MB sub-batches, with a transient of one sub-batch
-instead of the whole snapshot.
+instead of the whole snapshot. Sub-batches are fetched by ``D2H_THREADS`` threads.
 """
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
-from typing import List, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import List, Optional, Sequence
 
 import torch
 
@@ -88,6 +90,21 @@ def copy_to_host(tensors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
 
 #: Largest sub-batch of one ``_xla_get_cpu_tensors`` call (a larger tensor forms a sub-batch of its own).
 D2H_BATCH_BYTES = 32 << 20
+#: Sub-batches in flight at once. The call releases the GIL and its host-side copies run on the calling
+#: thread, so two threads use two cores: 1 GB in 300 tensors took 0.15-0.16 s instead of 0.19-0.27 s
+#: sequentially (2-core host). The training thread waits for the snapshot anyway.
+D2H_THREADS = max(1, min(4, os.cpu_count() or 1))
+
+_pool: Optional[ThreadPoolExecutor] = None
+_pool_lock = threading.Lock()
+
+
+def _d2h_pool() -> ThreadPoolExecutor:
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(max_workers=D2H_THREADS, thread_name_prefix="nxd_ckpt-d2h")
+        return _pool
 
 
 def _xla_to_cpu(tensors: List[torch.Tensor]) -> List[torch.Tensor]:
@@ -99,12 +116,15 @@ def _xla_to_cpu(tensors: List[torch.Tensor]) -> List[torch.Tensor]:
         return [t.detach().cpu() for t in tensors]
     tensors = [t.detach() for t in tensors]
     batches = chunk_by_bytes([t.numel() * t.element_size() for t in tensors], D2H_BATCH_BYTES)
-    if len(batches) > 1:
-        _materialize(xlac, tensors)
-    out: List[torch.Tensor] = []
-    for batch in batches:
-        out.extend(get_cpu([tensors[i] for i in batch]))
-    return out
+    if len(batches) == 1:
+        return list(get_cpu(tensors))
+    _materialize(xlac, tensors)
+    fetch = lambda batch: get_cpu([tensors[i] for i in batch])  # noqa: E731
+    if D2H_THREADS > 1:
+        results = list(_d2h_pool().map(fetch, batches))
+    else:
+        results = [fetch(b) for b in batches]
+    return [t for r in results for t in r]
 
 
 def _materialize(xlac, tensors: List[torch.Tensor]) -> None:

@@ -45,15 +45,17 @@ def load_manifest_file(tagdir: str) -> Optional[dict]:
 
 
 def file_crc32c(path: str) -> Tuple[int, int]:
-    """(size, CRC32C) of a file, read in large blocks."""
+    """(size, CRC32C) of a file, read in large blocks into one reused buffer."""
     crc, size = 0, 0
+    buf = bytearray(min(READ_BLOCK, max(1, os.path.getsize(path))))
+    view = memoryview(buf)
     with open(path, "rb", buffering=0) as f:
         while True:
-            block = f.read(READ_BLOCK)
-            if not block:
+            n = f.readinto(buf)
+            if not n:
                 break
-            crc = _crc32c.crc32c(block, crc)
-            size += len(block)
+            crc = _crc32c.crc32c(view[:n], crc)
+            size += n
     return size, crc
 
 
@@ -157,6 +159,20 @@ class CheckedReader:
                                          path=self.path(relpath)) from exc
         if not isinstance(t, torch.Tensor):
             raise CorruptCheckpointError(f"{self.path(relpath)} does not hold a tensor", path=self.path(relpath))
+        return t
+
+    def tensor_mapped(self, relpath: str) -> torch.Tensor:
+        """One xser tensor file, checked by a streaming read, then memory-mapped (no copy of its bytes on
+        the heap: slicing it reads straight from the page cache). Falls back to ``tensor`` for files that
+        cannot be mapped (legacy format)."""
+        self.check_file(relpath)
+        where = self.path(relpath)
+        try:
+            t = torch.load(where, map_location="cpu", weights_only=not self.trusted, mmap=True)
+        except Exception:  # noqa: BLE001 - legacy format, or damaged: the full read says which
+            return self.tensor(relpath)
+        if not isinstance(t, torch.Tensor):
+            raise CorruptCheckpointError(f"{where} does not hold a tensor", path=where)
         return t
 
     def info(self, ref_relpath: str) -> Optional[dict]:

@@ -526,7 +526,7 @@ def _init_worker(ctx: _WorkerContext) -> None:
 def _load_leaf(reader: CheckedReader, spec) -> Tuple[torch.Tensor, str]:
     kind, val = spec
     if kind == "file":
-        return reader.tensor(val), reader.path(val)
+        return reader.tensor_mapped(val), reader.path(val)
     return val[0], val[1]
 
 

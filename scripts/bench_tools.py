@@ -264,7 +264,9 @@ def build_tp4_model(root: str, tag: str, mb: int, tp: int = 4) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size-gb", type=float, default=2.0, help="optimizer state size (default 2)")
-    ap.add_argument("--num-workers", type=int, default=1, help="convert-zero1 --num_workers (default 1)")
+    ap.add_argument("--num-workers", default="1,2",
+                    help="convert-zero1 --num_workers values to run, comma-separated; the first is checked against "
+                         "the limits (default 1,2)")
     ap.add_argument("--export-mb", type=int, default=256, help="full model size of the export check (default 256)")
     ap.add_argument("--dir", help="work directory (default: a temporary directory, removed afterwards)")
     ap.add_argument("--out", default="bench_tools.json", help="JSON result file")
@@ -273,7 +275,8 @@ def main(argv=None) -> int:
     work = args.dir or tempfile.mkdtemp(prefix="nxd_bench_tools_")
     os.makedirs(work, exist_ok=True)
     env = dict(os.environ, PJRT_DEVICE=os.environ.get("PJRT_DEVICE", "CPU"))
-    res = {"size_gb": args.size_gb, "num_workers": args.num_workers}
+    workers = [int(w) for w in str(args.num_workers).split(",") if w.strip()]
+    res = {"size_gb": args.size_gb, "num_workers": workers[0]}
     try:
         shapes = param_shapes(int(args.size_gb * 1e9))
         largest = max(math.prod(s) for s in shapes)
@@ -284,13 +287,24 @@ def main(argv=None) -> int:
         res["optim_bytes"] = built["optim_bytes"]
         res["largest_param_numel"] = largest
         res["largest_param_full_state_bytes"] = largest * 4 * 3
+        # The disk is measured just before and just after the conversion (shared machines drift); the mean
+        # is the reference.
+        disk_before = disk_baseline(work, built["optim_bytes"])
         startup = run_measured([sys.executable, "-c", "import nxd_ckpt.cli, nxd_ckpt.zero1"], env)
         res["python_startup_s"] = startup["wall_s"]
         res["baseline_rss"] = max(startup["peak_rss_sampled"], startup["maxrss_time"] or 0)
-        conv = run_measured([sys.executable, "-m", "nxd_ckpt.cli", "convert-zero1", "--input_dir",
-                             os.path.join(work, "src"), "--output_dir", os.path.join(work, "dp2"),
-                             "--convert_to_sharded", "--dp_size", "2", "--num_workers", str(args.num_workers),
-                             "--json"], env)
+        runs = []
+        for w in workers:
+            shutil.rmtree(os.path.join(work, "dp2"), ignore_errors=True)
+            run = run_measured([sys.executable, "-m", "nxd_ckpt.cli", "convert-zero1", "--input_dir",
+                                os.path.join(work, "src"), "--output_dir", os.path.join(work, "dp2"),
+                                "--convert_to_sharded", "--dp_size", "2", "--num_workers", str(w), "--json"], env)
+            run["num_workers"] = w
+            run["internal_s"] = json.loads(run.pop("stdout"))["seconds"]
+            runs.append(run)
+        conv = runs[0]
+        conv["stdout"] = json.dumps({"seconds": conv["internal_s"]})
+        res["convert_runs"] = runs
         res["convert_s"] = conv["wall_s"]
         res["convert_internal_s"] = json.loads(conv["stdout"])["seconds"]
         res["convert_peak_rss_sampled"] = conv["peak_rss_sampled"]
@@ -300,7 +314,9 @@ def main(argv=None) -> int:
         res["output_optim_bytes"] = out_bytes
         verify = run_measured([sys.executable, "-m", "nxd_ckpt.cli", "verify", os.path.join(work, "dp2")], env)
         res["verify_output_s"] = verify["wall_s"]
-        disk = disk_baseline(work, max(built["optim_bytes"], out_bytes))
+        disk_after = disk_baseline(work, built["optim_bytes"])
+        disk = {k: (disk_before[k] + disk_after[k]) / 2 for k in disk_before}
+        disk["before"], disk["after"] = disk_before, disk_after
         res["disk"] = disk
         res["disk_read_write_s"] = disk["read_s"] + disk["write_s"]
         res["rss_limit"] = 2 * res["largest_param_full_state_bytes"] + 300 * MB
@@ -352,6 +368,8 @@ def main(argv=None) -> int:
                                     f"python+torch startup ~{res['python_startup_s']:.2f} s)",
          f"limit {res['time_limit_s']:.2f} s: {'OK' if res['time_ok'] else 'OVER'}"
          + ("" if res["time_ok"] else f" (conversion itself: {'OK' if res['time_ok_excluding_startup'] else 'OVER'})")),
+        *[(f"  with --num_workers {r['num_workers']}", f"{r['wall_s']:.2f} s (conversion itself {r['internal_s']:.2f} s)",
+           f"peak memory {gb(max(r['peak_rss_sampled'], r['maxrss_time'] or 0))}") for r in res["convert_runs"][1:]],
         ("convert-zero1 peak memory (tree PSS / max RSS)",
          f"{gb(res['convert_peak_rss_sampled'])} / {gb(res['convert_maxrss_time'] or 0)}",
          f"limit {gb(res['rss_limit'])}: {'OK' if res['rss_ok'] else 'OVER'}"),

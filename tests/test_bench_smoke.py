@@ -51,6 +51,7 @@ def test_bench_tiny_run_writes_complete_json(tmp_path):
     _sane(r["train_step_slowdown"], "train_step_slowdown")
     g = r["rss_growth"]
     assert g["saves"] == 3 and g["rss_first_mb"] > 0 and g["rss_last_mb"] > 0
+    assert g["live_before_mb"] > 0 and g["live_after_mb"] > 0
     for name, t in r["targets"].items():
         assert isinstance(t["met"], bool), name
     # the files of every method are cleaned up; only the probe-free data folder remains

@@ -75,10 +75,12 @@ def tensor_to_bytes(t: torch.Tensor) -> bytes:
     return buf.getvalue()
 
 
-def read_tensor(src, *, trusted: bool = False, map_location="cpu", name: Optional[str] = None) -> torch.Tensor:
-    """Load one tensor file (path or file object), safely unless ``trusted``."""
+def read_tensor(src, *, trusted: bool = False, map_location="cpu", name: Optional[str] = None,
+                mmap: bool = False) -> torch.Tensor:
+    """Load one tensor file (path or file object), safely unless ``trusted``; ``mmap=True`` (a path only)
+    returns a tensor backed by a private mapping of the file."""
     label = name or describe(src)
-    obj = load_pickle(src, trusted=trusted, name=label, map_location=map_location)
+    obj = load_pickle(src, trusted=trusted, name=label, map_location=map_location, mmap=mmap)
     if not isinstance(obj, torch.Tensor):
         raise CorruptFileError(f"{label} holds a {type(obj).__name__}, not a tensor; a tensor file must hold "
                                f"one torch.save'd tensor: restore it from a complete copy", path=label)

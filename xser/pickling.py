@@ -102,18 +102,21 @@ def check_file(path: str, what: str = "file") -> None:
                                f"incomplete or not copied entirely)", path=path)
 
 
-def load_pickle(src, *, trusted: bool = False, name: Optional[str] = None, map_location="cpu") -> Any:
-    """``torch.load`` of a path or file object, safely unless ``trusted``; errors become XserErrors."""
+def load_pickle(src, *, trusted: bool = False, name: Optional[str] = None, map_location="cpu",
+                mmap: bool = False) -> Any:
+    """``torch.load`` of a path or file object, safely unless ``trusted``; errors become XserErrors.
+    ``mmap=True`` (a path only) maps the file instead of reading tensor data into memory."""
     label = name or describe(src)
     if isinstance(src, (str, bytes, os.PathLike)):
         check_file(os.fsdecode(src))
     try:
         if trusted:
-            return torch.load(src, map_location=map_location, weights_only=False, pickle_module=REF_PICKLE)
+            return torch.load(src, map_location=map_location, weights_only=False, pickle_module=REF_PICKLE,
+                              mmap=mmap)
         # add_safe_globals, not the safe_globals context manager: its exit would race with loads on
         # other threads. Allowlisting this plain data class for the whole process is harmless.
         torch.serialization.add_safe_globals(_SAFE_ENTRIES)
-        return torch.load(src, map_location=map_location, weights_only=True)
+        return torch.load(src, map_location=map_location, weights_only=True, mmap=mmap)
     except XserError:
         raise
     except IsADirectoryError as exc:
