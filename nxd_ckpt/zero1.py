@@ -575,11 +575,17 @@ def _pool_map(fn, units: List, ctx: _WorkerContext, num_workers: int, progress, 
     try:
         if num_workers <= 1 or len(units) <= 1:
             _init_worker_inline(ctx)
-            for u in units:
-                res = fn(u)
-                if bar is not None:
-                    bar.update(weight(u))
-                yield res
+            # Copies of a few MB gain nothing from intra-op threads, and on a busy host they lose.
+            threads = torch.get_num_threads()
+            torch.set_num_threads(1)
+            try:
+                for u in units:
+                    res = fn(u)
+                    if bar is not None:
+                        bar.update(weight(u))
+                    yield res
+            finally:
+                torch.set_num_threads(threads)
         else:
             method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
             mp = multiprocessing.get_context(method)

@@ -614,10 +614,32 @@ def med(values):
     return statistics.median(values) if values else float("nan")
 
 
+class LoadSampler:
+    """The 1-minute load average every 15 s while the benchmark runs (other processes share the machine)."""
+
+    def __init__(self):
+        self.samples = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="bench-load", daemon=True)
+        self._thread.start()
+
+    def _run(self):
+        while True:
+            self.samples.append(round(os.getloadavg()[0], 2))
+            if self._stop.wait(15):
+                return
+
+    def stop(self):
+        self._stop.set()
+        self._thread.join()
+        return self.samples
+
+
 def run(args) -> dict:
     os.makedirs(args.dir, exist_ok=True)
     started = time.time()
     load_start = os.getloadavg()
+    loads = LoadSampler()
     b = Bench(args)
     methods = [m for m in METHODS if not args.methods or m in args.methods.split(",")]
     print(f"bench: {b.bytes / GB:.3f} GB in {args.tensors} tensors (hidden {b.hidden}) on {b.dev}; "
@@ -702,7 +724,7 @@ def run(args) -> dict:
         "config": {"size_gb": args.size_gb, "tensors": args.tensors, "hidden": b.hidden, "dir": b.dir,
                    "repeat": args.repeat, "num_workers": args.num_workers, "rss_saves": args.rss_saves,
                    "train_dim": args.train_dim},
-        "environment": environment(b, load_start, started),
+        "environment": dict(environment(b, load_start, started), loadavg_1min_every_15s=loads.stop()),
         "notes": {
             "page_cache": f"before every save and every load: sync + {b.cache.mode}",
             "stall_s": "wall time the caller is blocked",
@@ -793,9 +815,10 @@ def targets(r: dict) -> dict:
 def print_table(r: dict) -> None:
     lim, nb = r["limits"], r["bytes"]
     print()
+    la = r["environment"].get("loadavg_1min_every_15s") or [float("nan")]
     print(f"{nb / GB:.3f} GB in {r['config']['tensors']} tensors, {r['config']['repeat']} rounds (medians), "
-          f"page cache: {r['environment']['page_cache']}, load avg {r['environment']['loadavg_start'][0]:.1f} -> "
-          f"{r['environment']['loadavg_end'][0]:.1f}")
+          f"page cache: {r['environment']['page_cache']}, 1-min load average during the run "
+          f"{min(la):.1f}-{max(la):.1f} (median {statistics.median(la):.1f}) on {r['environment']['cpus']} CPUs")
     print(f"limits: d2h batched {lim['d2h_batched_s']:.3f} s (nxd chunked {lim['d2h_chunked_s']:.3f} s), "
           f"h2d {lim['h2d_s']:.3f} s, disk write {lim['disk_write_gbps']:.3f} GB/s "
           f"({nb / GB / lim['disk_write_gbps']:.2f} s), read {lim['disk_read_gbps']:.3f} GB/s "
