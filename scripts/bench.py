@@ -339,6 +339,11 @@ class Bench:
         self.counter = 0
         self.created = set()
 
+    def settle(self, path):
+        """The same starting point for every measurement: a trimmed heap and no cached pages of ``path``."""
+        trim_heap()
+        self.cache.drop(path)
+
     def cleanup(self):
         for path in sorted(self.created):
             shutil.rmtree(path, ignore_errors=True)
@@ -350,8 +355,7 @@ class Bench:
         self.created.add(base)
         shutil.rmtree(base, ignore_errors=True)
         os.makedirs(base, exist_ok=True)
-        gc.collect()
-        self.cache.drop(base)
+        self.settle(base)
         return base
 
     # nxd_ckpt
@@ -379,7 +383,7 @@ class Bench:
         import nxd_ckpt
 
         target = dict(self.sd)
-        self.cache.drop(root)
+        self.settle(root)
         t = time.perf_counter()
         nxd_ckpt.load_checkpoint(root, tag, model=target)
         wait_device()
@@ -410,6 +414,7 @@ class Bench:
         out, tag = self.nxd_save(root, True, True)
         if check:
             out["load_s_unrequired"] = self.nxd_load(root, tag, check)
+            trim_heap()
         return out
 
     def m_nxd_ckpt_sync(self, check):
@@ -442,7 +447,7 @@ class Bench:
         fsync_tree(path)
         fsync_tree(path + ".tensors")
         stall = time.perf_counter() - t
-        self.cache.drop(base)
+        self.settle(base)
         t = time.perf_counter()
         loaded = self.to_device(xs.load(path))
         load_s = time.perf_counter() - t
@@ -463,7 +468,7 @@ class Bench:
         fsync_tree(path)
         stall = time.perf_counter() - t
         del host
-        self.cache.drop(base)
+        self.settle(base)
         t = time.perf_counter()
         loaded = self.to_device(torch.load(path, weights_only=True))
         load_s = time.perf_counter() - t
@@ -651,13 +656,14 @@ def run(args) -> dict:
     for rnd in range(args.repeat + 1):
         warm = rnd == 0
         t_round = time.perf_counter()
-        gc.collect()
+        trim_heap()
         d2h, host, d2h_faults = limit_d2h(b.sd)
         h2d = limit_h2d(host, b.dev)
         del host
-        gc.collect()
+        trim_heap()
         d2hc, host, d2hc_faults = limit_d2h_chunked(b.sd)
         del host
+        trim_heap()
         gc.collect()
         w, r = limit_disk(probe, b.bytes, b.cache)
         wp = limit_disk_parallel(os.path.join(b.dir, "disk_probe_parallel"), b.bytes, b.cache)
@@ -727,6 +733,11 @@ def run(args) -> dict:
         "environment": dict(environment(b, load_start, started), loadavg_1min_every_15s=loads.stop()),
         "notes": {
             "page_cache": f"before every save and every load: sync + {b.cache.mode}",
+            "heap": "before every method and every limit measurement: gc + glibc malloc_trim(0), so every "
+                    "measurement starts with the same (trimmed) heap and pays its own page faults; without it "
+                    "memory freed by one method and kept by the allocator sped up or slowed down the next at "
+                    "random, and the 4 GB run ran out of memory. *_page_faults_mb: minor faults (4 KiB) "
+                    "during the call",
             "stall_s": "wall time the caller is blocked",
             "commit_s": "call to the checkpoint durable and marked complete (nxd_ckpt: save_stats; dcp: future done; "
                         "sync methods: equal to their stall, not reported)",
