@@ -160,6 +160,29 @@ def device_snapshot(tensors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
     return out
 
 
+_malloc_trim = None
+
+
+def release_host_memory() -> None:
+    """Give the heap memory a finished save freed back to the OS (glibc ``malloc_trim``; a no-op elsewhere).
+
+    The snapshot is allocated by torch-xla in the threads that fetch it and freed by the writer threads;
+    glibc keeps freed memory in per-thread arenas, so without this the process RSS climbed by about a
+    snapshot's size every few saves (4 GB state: 9.3 -> 14.4 GB over 20 saves) although live memory did
+    not grow. The cost: the next snapshot faults its pages in afresh (included in the benchmark's stall)."""
+    global _malloc_trim
+    if _malloc_trim is None:
+        try:
+            import ctypes
+            import ctypes.util
+
+            _malloc_trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+        except (OSError, AttributeError):
+            _malloc_trim = False
+    if _malloc_trim:
+        _malloc_trim(0)
+
+
 def chunk_by_bytes(nbytes: Sequence[int], limit: int) -> List[List[int]]:
     """Consecutive index groups whose byte totals stay within ``limit`` (an oversize item stands alone)."""
     chunks: List[List[int]] = []

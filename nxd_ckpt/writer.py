@@ -26,7 +26,7 @@ import xser
 from . import commit
 from .coord import Coordinator
 from .errors import RankFailureError, describe_causes
-from .staging import HostBudget
+from .staging import HostBudget, release_host_memory
 from .storage import FileRecord, Storage
 
 log = logging.getLogger("nxd_ckpt")
@@ -116,6 +116,7 @@ class SaveRunner:
             except BaseException as exc:  # noqa: BLE001 - becomes the job's error, raised to the caller
                 job.error = exc
             finally:
+                release_host_memory()     # the snapshot's memory, freed by now (performance: RSS)
                 job.finished.set()
 
 
