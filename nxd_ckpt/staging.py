@@ -180,7 +180,10 @@ def release_host_memory() -> None:
         except (OSError, AttributeError):
             _malloc_trim = False
     if _malloc_trim:
-        _malloc_trim(0)
+        try:
+            _malloc_trim(0)
+        except Exception:  # noqa: BLE001 - an optimisation; never let it disturb a save
+            pass
 
 
 def chunk_by_bytes(nbytes: Sequence[int], limit: int) -> List[List[int]]:

@@ -163,8 +163,28 @@ def _signal_name(code: Optional[int]) -> str:
     return f"exit code {code}"
 
 
+# Gloo's TCP full-mesh set-up on loopback occasionally loses a connection when the machine is overloaded
+# (seen about once in three full suite runs on 2 shared cores). That is the test bed, not the code under test:
+# such a run is retried once, loudly; any other failure is reported as it is.
+_GLOO_SETUP_FLAKES = ("Gloo connectFullMesh failed", "Connection closed by peer", "Connection reset by peer")
+
+
 def run_ranks(fn: Callable[..., Any], world_size: int, *args, timeout: float = 120, env: Optional[Dict[str, str]] = None,
               **kwargs) -> List[Any]:
+    """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` processes; return values in rank order.
+    Retried once when the only problem was gloo's connection set-up (see _GLOO_SETUP_FLAKES)."""
+    try:
+        return _run_ranks_once(fn, world_size, *args, timeout=timeout, env=env, **kwargs)
+    except AssertionError as exc:
+        text = str(exc)
+        if not any(marker in text for marker in _GLOO_SETUP_FLAKES):
+            raise
+        print(f"run_ranks: gloo connection set-up failed, retrying once:\n{text[:2000]}", file=sys.stderr)
+        return _run_ranks_once(fn, world_size, *args, timeout=timeout, env=env, **kwargs)
+
+
+def _run_ranks_once(fn: Callable[..., Any], world_size: int, *args, timeout: float = 120,
+                    env: Optional[Dict[str, str]] = None, **kwargs) -> List[Any]:
     """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` processes; return values in rank order.
 
     ``fn`` must be a module-level (picklable) function; args, kwargs and return values must pickle.
