@@ -53,10 +53,7 @@ def save_checkpoint(checkpoint_dir_str, tag, model=None, optimizer=None, schedul
     job.stats["ordering_wait_s"] = engine.last_ordering_wait_s
     engine.last_ordering_wait_s = 0.0
     if not async_save:
-        try:
-            engine.wait(job, timeout_s + 60)
-        finally:
-            job.stats["stall_s"] = time.monotonic() - called_at
+        engine.wait(job, timeout_s + 60)
 
 
 def _check_writable(root: str) -> None:

@@ -110,11 +110,15 @@ class Engine:
             job.close()
 
     def wait(self, job: SaveJob, timeout_s: float) -> None:
+        """Block the caller (a synchronous save) until ``job`` is committed or failed; raise its error.
+        The caller's stall then covers the whole save, so stall_s is set before the save is logged."""
         # Every wait inside a save has its own deadline (rank 0's staging directory, the other ranks'
         # reports, rank 0's verdict: up to three rounds of the save's timeout), so give the job that long
         # to fail on its own with the precise error before declaring it stuck here.
         limit = max(timeout_s, 3 * job.coordinator.timeout_s + 60)
-        if not job.finished.wait(limit):
+        finished = job.finished.wait(limit)
+        job.stats["stall_s"] = time.monotonic() - job.called_at
+        if not finished:
             raise RankFailureError(
                 f"checkpoint {job.tag!r} did not finish within {limit:.0f}s on this rank (its writes are stuck: "
                 "check the filesystem); it is not marked complete and earlier checkpoints are intact")

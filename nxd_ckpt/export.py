@@ -28,6 +28,7 @@ import xser
 
 from . import commit, layout
 from .errors import CheckpointArgumentError, CheckpointError, CorruptCheckpointError
+from .outdir import check_output_dir
 from .storage import LocalStorage
 from .verify import CheckedReader, load_manifest_file
 
@@ -385,20 +386,6 @@ class ExportResult:
         return dict(self.__dict__)
 
 
-def _check_output(tagdir: str, output: str, overwrite: bool) -> str:
-    src, dst = os.path.realpath(tagdir), os.path.realpath(output)
-    if dst == src or dst.startswith(src + os.sep) or src.startswith(dst + os.sep):
-        raise CheckpointArgumentError(f"--output {output} overlaps the checkpoint {tagdir}; pass a directory "
-                                      "outside it, e.g. ./hf_export")
-    if os.path.exists(dst):
-        if not os.path.isdir(dst):
-            raise CheckpointArgumentError(f"--output {output} exists and is not a directory")
-        if os.listdir(dst) and not overwrite:
-            raise CheckpointArgumentError(f"--output {output} exists and is not empty; pass --overwrite to replace "
-                                          "it, or choose a new directory")
-    return dst
-
-
 def export_model(tagdir: str, output: str, *, max_shard_size="5GB", dtype: Optional[str] = None,
                  partitions: Sequence[str] = (), overwrite: bool = False, trusted: bool = False,
                  progress: Optional[bool] = None) -> ExportResult:
@@ -410,7 +397,7 @@ def export_model(tagdir: str, output: str, *, max_shard_size="5GB", dtype: Optio
         raise CheckpointArgumentError(f"{tagdir} is not a directory; pass DIR/TAG (see `nxd-ckpt ls DIR`)")
     if not os.path.isfile(os.path.join(tagdir, layout.DONE_MARKER)):
         raise CheckpointArgumentError(f"{tagdir} has no 'done' marker: its save never finished; export a complete tag")
-    dst = _check_output(tagdir, output, overwrite)
+    dst = check_output_dir(tagdir, output, flag="--output", example="./hf_export", overwrite=overwrite)
     outs, shards, skipped = plan_export(tagdir, parts, target, trusted)
     groups = split_files(outs, max_bytes)
     n = len(groups)

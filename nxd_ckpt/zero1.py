@@ -31,6 +31,7 @@ import xser
 
 from . import commit, layout
 from .errors import CheckpointArgumentError, CheckpointError, CorruptCheckpointError
+from .outdir import check_output_dir
 from .storage import FileRecord, LocalStorage
 from .verify import CheckedReader, file_crc32c, load_manifest_file
 
@@ -353,27 +354,11 @@ class ConvertResult:
 
 def _resolve_paths(input_dir: str, output_dir: str, overwrite: bool) -> Tuple[str, str]:
     src = os.path.realpath(input_dir)
-    dst = os.path.realpath(output_dir)
     if not os.path.isdir(src):
         raise CheckpointArgumentError(f"--input_dir {input_dir} is not a directory; pass a checkpoint tag directory "
                                       "such as ckpts/step_1000")
-    if src == dst:
-        raise CheckpointArgumentError(
-            f"--output_dir {output_dir} is the input directory ({src}); converting in place would destroy the "
-            "input. Pass a new directory, e.g. ckpts/step_1000_dp8")
-    if dst.startswith(src + os.sep):
-        raise CheckpointArgumentError(f"--output_dir {output_dir} is inside the input directory {src}; pass a "
-                                      "directory outside it, e.g. a sibling tag")
-    if src.startswith(dst + os.sep):
-        raise CheckpointArgumentError(f"--output_dir {output_dir} contains the input directory {src}; replacing it "
-                                      "would destroy the input. Pass a new directory, e.g. a sibling tag")
-    if os.path.exists(dst):
-        if not os.path.isdir(dst):
-            raise CheckpointArgumentError(f"--output_dir {output_dir} exists and is not a directory")
-        if os.listdir(dst) and not overwrite:
-            raise CheckpointArgumentError(
-                f"--output_dir {output_dir} exists and is not empty; pass --overwrite to replace it, or choose "
-                "a new directory")
+    dst = check_output_dir(input_dir, output_dir, flag="--output_dir", example="ckpts/step_1000_dp8",
+                           overwrite=overwrite)
     return src, dst
 
 

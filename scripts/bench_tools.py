@@ -32,6 +32,7 @@ import psutil  # noqa: E402
 import torch  # noqa: E402
 
 import xser  # noqa: E402
+from bench import Cache, limit_disk  # noqa: E402  (scripts/ is on sys.path when run as a script)
 from nxd_ckpt import commit, layout  # noqa: E402
 from nxd_ckpt.storage import LocalStorage  # noqa: E402
 
@@ -180,24 +181,9 @@ def run_measured(cmd, env=None) -> dict:
     return {"wall_s": wall, "peak_rss_sampled": peak[0], "maxrss_time": maxrss, "stdout": out.decode()}
 
 
-def disk_baseline(folder: str, nbytes: int, block: int = 64 * MB) -> dict:
-    """Seconds to write ``nbytes`` in large blocks with fsync, and to read them back."""
-    path = os.path.join(folder, "disk_probe.bin")
-    buf = os.urandom(block)
-    t0 = time.perf_counter()
-    with open(path, "wb", buffering=0) as f:
-        left = nbytes
-        while left > 0:
-            f.write(buf[:min(block, left)])
-            left -= block
-        os.fsync(f.fileno())
-    write_s = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    with open(path, "rb", buffering=0) as f:
-        while f.read(block):
-            pass
-    read_s = time.perf_counter() - t0
-    os.unlink(path)
+def disk_baseline(folder: str, nbytes: int) -> dict:
+    """Seconds to write ``nbytes`` in large blocks with fsync, and to read them back cold (bench.py's probe)."""
+    write_s, read_s = limit_disk(os.path.join(folder, "disk_probe.bin"), nbytes, Cache())
     return {"write_s": write_s, "read_s": read_s, "write_gbps": nbytes / write_s / 1e9, "read_gbps": nbytes / read_s / 1e9}
 
 

@@ -54,6 +54,20 @@ def test_done_appears_without_a_further_save(tmp_path):
     nxd_ckpt.finalize_checkpoint()
 
 
+def test_stats_and_log_of_a_sync_save_count_the_whole_save_as_stall(tmp_path, caplog):
+    import nxd_ckpt
+
+    model = TinyShard().to(xla_device())
+    root = str(tmp_path / "ckpt")
+    with caplog.at_level("INFO", logger="nxd_ckpt"):
+        nxd_ckpt.save_checkpoint(root, "s", model=model)
+    stats = nxd_ckpt.save_stats()[-1]
+    assert stats["tag"] == "s" and stats["ok"]
+    assert stats["stall_s"] >= stats["commit_s"], "a sync save blocks until its commit"
+    line = next(r.getMessage() for r in caplog.records if "checkpoint s: stall" in r.getMessage())
+    assert f"stall {1000 * stats['stall_s']:.1f} ms" in line
+
+
 def test_later_mutations_do_not_reach_the_files(tmp_path, clean_hook):
     import nxd_ckpt
 

@@ -1,0 +1,32 @@
+"""The output-directory checks shared by the offline tools that write a new tree (convert-zero1, export)."""
+from __future__ import annotations
+
+import os
+
+from .errors import CheckpointArgumentError
+
+
+def check_output_dir(input_dir: str, output_dir: str, *, flag: str, example: str, overwrite: bool) -> str:
+    """Return the real path of ``output_dir`` once it is safe to write; raise before anything is touched.
+
+    Refused: the input itself, a directory inside the input or containing it (writing or replacing it would
+    destroy the input), a file, and a non-empty directory unless ``overwrite``. ``flag`` names the option in
+    the messages and ``example`` is the suggested alternative.
+    """
+    src, dst = os.path.realpath(input_dir), os.path.realpath(output_dir)
+    if src == dst:
+        raise CheckpointArgumentError(f"{flag} {output_dir} is the input directory ({src}); writing there would "
+                                      f"destroy the input. Pass a new directory, e.g. {example}")
+    if dst.startswith(src + os.sep):
+        raise CheckpointArgumentError(f"{flag} {output_dir} is inside the input directory {src}; pass a directory "
+                                      f"outside it, e.g. {example}")
+    if src.startswith(dst + os.sep):
+        raise CheckpointArgumentError(f"{flag} {output_dir} contains the input directory {src}; replacing it would "
+                                      f"destroy the input. Pass a new directory, e.g. {example}")
+    if os.path.exists(dst):
+        if not os.path.isdir(dst):
+            raise CheckpointArgumentError(f"{flag} {output_dir} exists and is not a directory")
+        if os.listdir(dst) and not overwrite:
+            raise CheckpointArgumentError(f"{flag} {output_dir} exists and is not empty; pass --overwrite to "
+                                          "replace it, or choose a new directory")
+    return dst
