@@ -149,11 +149,11 @@ def has_checkpoint(checkpoint_dir_str) -> bool:
 
 
 def list_checkpoints(checkpoint_dir_str) -> List[str]:
-    """Complete tags, newest first (by commit time)."""
+    """Complete tags, newest first (by commit time); each loads with ``load_checkpoint(dir, tag)``."""
     root = os.fspath(checkpoint_dir_str)
     if not os.path.isdir(root):
         return []
-    return commit.complete_tags(open_storage(root))
+    return [tag for tag, _ in commit.loadable(open_storage(root))]
 
 
 def newest_checkpoint(checkpoint_dir_str) -> Optional[str]:

@@ -11,7 +11,7 @@ import json
 import logging
 import time
 from dataclasses import dataclass
-from typing import Dict, Iterable, List, Optional, Set
+from typing import Dict, Iterable, List, Optional, Set, Tuple
 
 from . import layout
 from ._version import __version__
@@ -29,9 +29,11 @@ def staging_name(tag: str) -> str:
     return f"{tag}{STAGING_SUFFIX}"
 
 
-def prepare_staging(storage: Storage, tag: str) -> None:
-    """Rank 0, before any rank writes: a fresh staging directory with NxD's `checkpoint` marker."""
+def prepare_staging(storage: Storage, tag: str, busy: Iterable[str] = ()) -> None:
+    """Rank 0, before any rank writes: a fresh staging directory with NxD's `checkpoint` marker. Tags a
+    crash left under a suffixed name are restored first (``busy``: other saves in flight)."""
     staging = staging_name(tag)
+    repair_interrupted(storage, busy)
     if storage.exists(staging):
         storage.remove_tree(staging)
     storage.makedirs(staging)
@@ -61,18 +63,7 @@ def publish(storage: Storage, tag: str, manifest: dict) -> None:
     storage.write_file(f"{staging}/{layout.DONE_MARKER}", lambda f: f.write(b"1"))
     storage.sync_dirs([staging])
     if storage.exists(tag):
-        # Re-saving an existing tag: move the old one aside first so a crash here never leaves a
-        # half-replaced tag; the old one is removed only after the new one is in place.
-        old = f"{tag}{OLD_SUFFIX}"
-        storage.remove_tree(old)
-        storage.rename(tag, old)
-        try:
-            storage.rename(staging, tag)
-        except BaseException:
-            storage.rename(old, tag)   # put the previous version back
-            raise
-        storage.sync_dirs([""])
-        storage.remove_tree(old)
+        _replace_tag(storage, staging, tag)
     else:
         storage.rename(staging, tag)
     storage.sync_dirs([""])
@@ -81,6 +72,59 @@ def publish(storage: Storage, tag: str, manifest: dict) -> None:
     except Exception as exc:  # noqa: BLE001 - the tag is complete; `newest` is informational only
         log.warning("nxd_ckpt: checkpoint %s is complete but %s could not be updated: %s (load_checkpoint does not "
                     "rely on it; the next save rewrites it)", tag, layout.NEWEST_FILE, exc)
+
+
+def _replace_tag(storage: Storage, staging: str, tag: str) -> None:
+    """Re-saving an existing tag. Where the filesystem can swap two directories atomically, the new
+    version takes the name in one step and the old one, now under the staging name, is removed as debris.
+    Elsewhere the old version is moved aside first; a crash between the two renames leaves both versions
+    complete under their suffixed names, which ``recoverable_tags`` finds and ``repair_interrupted``
+    renames back."""
+    if storage.exchange(staging, tag):
+        storage.sync_dirs([""])
+        storage.remove_tree(staging)
+        return
+    old = f"{tag}{OLD_SUFFIX}"
+    storage.remove_tree(old)
+    storage.rename(tag, old)
+    try:
+        storage.rename(staging, tag)
+    except BaseException:
+        storage.rename(old, tag)   # put the previous version back
+        raise
+    storage.sync_dirs([""])
+    storage.remove_tree(old)
+
+
+def recoverable_tags(storage: Storage, busy: Iterable[str] = ()) -> Dict[str, str]:
+    """Tags whose name is missing after a crash during publish, mapped to the directory holding their
+    newest complete version: ``<tag>.nxdtmp`` once it has `done` (every rank's files were durable and the
+    manifest written), else the ``<tag>.nxdold`` that a re-save moved aside. ``busy``: tags being saved
+    now (their staging directory is not debris). A deleted tag's ``.nxdold`` never qualifies: deletion
+    removes `done` before renaming."""
+    names = set(storage.listdir(""))
+    found: Dict[str, str] = {}
+    for suffix in (OLD_SUFFIX, STAGING_SUFFIX):   # a committed staging version wins over the old one
+        for name in names:
+            tag = name[: -len(suffix)]
+            if (name.endswith(suffix) and tag and tag not in names and tag not in busy and name not in busy
+                    and storage.exists(f"{name}/{layout.DONE_MARKER}")):
+                found[tag] = name
+    return found
+
+
+def repair_interrupted(storage: Storage, busy: Iterable[str] = ()) -> List[str]:
+    """Rank 0 of a saving job, before it creates staging directories or removes debris: give each
+    ``recoverable_tags`` entry its name back. Returns the tags restored."""
+    restored = []
+    for tag, name in sorted(recoverable_tags(storage, busy).items()):
+        log.warning("nxd_ckpt: checkpoint %s was left as %s by a crash while it was published; restoring it",
+                    tag, name)
+        storage.rename(name, tag)
+        restored.append(tag)
+    if restored:
+        storage.sync_dirs([""])
+    return restored
 
 
 def write_newest(storage: Storage, tag: str) -> None:
@@ -162,6 +206,16 @@ def _natural_key(s: str):
     return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", s)]
 
 
+def loadable(storage: Storage) -> List[Tuple[str, str]]:
+    """(tag, directory) of every checkpoint ``load_checkpoint`` can read, newest first: the complete tags,
+    plus each ``recoverable_tags`` entry with the directory it lies in (loading never renames)."""
+    dated = [(t.committed_at, t.tag, t.tag) for t in scan_tags(storage) if t.complete]
+    dated += [(storage.mtime(f"{name}/{layout.DONE_MARKER}"), tag, name)
+              for tag, name in recoverable_tags(storage).items()]
+    dated.sort(key=lambda d: (d[0], _natural_key(d[1])), reverse=True)
+    return [(tag, name) for _, tag, name in dated]
+
+
 def complete_tags(storage: Storage) -> List[str]:
     """Complete tags (a `done` marker), newest first."""
     return [t.tag for t in scan_tags(storage) if t.complete]
@@ -193,6 +247,7 @@ def apply_retention(storage: Storage, num_kept: Optional[int], protected: Iterab
     newest complete tag, a protected tag, or anything not recognisably a checkpoint. Returns what it
     deleted."""
     protected = set(protected)
+    repair_interrupted(storage, set(in_flight) | protected)
     busy: Set[str] = set(in_flight) | {staging_name(t) for t in in_flight}
     tags = scan_tags(storage)
     complete = [t.tag for t in tags if t.complete]
@@ -203,7 +258,7 @@ def apply_retention(storage: Storage, num_kept: Optional[int], protected: Iterab
     doomed += [t.tag for t in tags if not t.complete and t.tag not in busy and t.tag not in protected]
     doomed = [t for t in doomed if _is_tag_dir(storage, t)]
     for name in storage.listdir(""):
-        if not _is_special(name) or name in busy:
+        if not _is_special(name) or name in busy or name in protected:
             continue
         if storage.isdir(name):
             doomed.append(name)

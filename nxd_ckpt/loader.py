@@ -28,9 +28,13 @@ IgnoreKeys = Union[None, str, Sequence[str], Callable[[dict], Optional[dict]]]
 
 # --- which tag -------------------------------------------------------------------------------------
 def candidate_tags(storage: Storage, tag) -> List[str]:
-    """The tags to try, in order: the explicit one, or every complete tag newest first."""
+    """The directories to try, in order: the explicit tag's, or every complete tag's newest first (a tag
+    that a crash during publish left under a suffixed name is read there)."""
     if tag is not None:
         tag = layout.validate_tag(tag)
+        recoverable = {} if storage.exists(tag) else commit.recoverable_tags(storage)
+        if tag in recoverable:
+            return [recoverable[tag]]
         if not storage.exists(f"{tag}/{layout.DONE_MARKER}"):
             available = commit.complete_tags(storage)
             if storage.isdir(tag):
@@ -43,7 +47,7 @@ def candidate_tags(storage: Storage, tag) -> List[str]:
                 f"no checkpoint {tag!r} in {storage.root}. Complete checkpoints, newest first: "
                 f"{available or 'none'}")
         return [tag]
-    tags = commit.complete_tags(storage)
+    tags = [name for _, name in commit.loadable(storage)]
     if not tags:
         raise CheckpointNotFoundError(
             f"no complete checkpoint in {storage.root} (no tag directory with a 'done' marker); "

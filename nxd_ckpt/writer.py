@@ -178,7 +178,7 @@ def _prepare(job: SaveJob, staging: str, runner: SaveRunner) -> None:
     coord = job.coordinator
     if job.rank == 0:
         try:
-            commit.prepare_staging(job.storage, job.tag)
+            commit.prepare_staging(job.storage, job.tag, [t for t in job.in_flight() if t != job.tag])
             coord.publish("prepared", {"ok": True})
         except Exception as exc:  # noqa: BLE001
             error = _describe(exc, 0)

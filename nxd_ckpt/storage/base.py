@@ -50,6 +50,10 @@ class Storage(ABC):
     @abstractmethod
     def rename(self, src: str, dst: str) -> None: ...
 
+    def exchange(self, a: str, b: str) -> bool:
+        """Atomically swap two existing directories; False when this storage cannot (nothing changed)."""
+        return False
+
     @abstractmethod
     def sync_dirs(self, relpaths: Iterable[str]) -> None:
         """Make directory entries (new files, renames) durable."""

@@ -1,6 +1,9 @@
 """POSIX storage (local disk, FSx for Lustre, NFS): temp file + fsync + rename, directories fsynced."""
 from __future__ import annotations
 
+import ctypes
+import errno
+import functools
 import io
 import os
 import shutil
@@ -106,6 +109,9 @@ class LocalStorage(Storage):
     def rename(self, src: str, dst: str) -> None:
         os.replace(self.path(src), self.path(dst))
 
+    def exchange(self, a: str, b: str) -> bool:
+        return rename_exchange(self.path(a), self.path(b))
+
     def sync_dirs(self, relpaths: Iterable[str]) -> None:
         for rel in sorted(set(relpaths)):
             try:
@@ -124,3 +130,33 @@ class LocalStorage(Storage):
 
     def mtime(self, relpath: str) -> float:
         return os.path.getmtime(self.path(relpath))
+
+
+_RENAME_EXCHANGE = 2       # linux/fs.h
+_AT_FDCWD = -100
+_UNSUPPORTED = {errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EXDEV}
+
+
+def rename_exchange(a: str, b: str) -> bool:
+    """Swap paths ``a`` and ``b`` in one atomic step (Linux renameat2 RENAME_EXCHANGE: ext4, xfs, btrfs,
+    tmpfs). False when the kernel, libc or filesystem (e.g. some network filesystems) does not offer it."""
+    renameat2 = _libc_renameat2()
+    if renameat2 is None:
+        return False
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in _UNSUPPORTED:
+        return False
+    raise OSError(err, f"renameat2(RENAME_EXCHANGE) of {a} and {b}: {os.strerror(err)}")
+
+
+@functools.lru_cache(maxsize=1)
+def _libc_renameat2():
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):   # not glibc >= 2.28 (or not Linux)
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
