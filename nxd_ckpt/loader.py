@@ -100,7 +100,8 @@ def check_topology(tag: str, saved: dict, world: World, loading_optim: bool) -> 
                  f"--input_dir <dir>/{tag} --output_dir <dir>/<new_tag> --convert_to_sharded --dp_size {dp_now}` "
                  "(or load the model only)")
     else:
-        hint += "relaunch with the saved TP/PP sizes"
+        hint += ("relaunch with the saved sizes, or merge the TP/PP shards into one full model with `nxd-ckpt "
+                 f"export <dir>/{tag} --output <hf_dir>` and load that into the new layout")
     raise TopologyMismatchError(
         f"checkpoint {tag!r} was saved at {was}{' with ZeRO-1' if saved.get('zero1') else ''} and this job runs "
         f"{now} ({', '.join(p.upper() for p in problems)} differ{'s' if len(problems) == 1 else ''}). {hint}.")
@@ -127,10 +128,12 @@ def agree(error: Optional[BaseException]) -> None:
 
 
 def read_tag(storage: Storage, tag: str, world: World, *, want_model: bool, want_optim: bool,
-             want_scheduler: bool, num_workers: int, trusted: bool, mapped: bool = False) -> dict:
+             want_scheduler: bool, num_workers: int, trusted: bool, mapped: bool = False,
+             node_local: bool = False) -> dict:
     """Every rank: read this rank's state of ``tag`` into host memory, verified. If any rank fails
     (damage, missing shard, topology), every rank raises, after agreeing; nothing has been changed.
-    ``mapped``: large tensor files may be returned memory-mapped (see ``copies_every_tensor``)."""
+    ``mapped``: large tensor files may be returned memory-mapped (see ``copies_every_tensor``).
+    ``node_local``: every rank reads all of its own files (no sharing between DP replicas)."""
     state: Dict[str, object] = {}
     error: Optional[BaseException] = None
     try:
@@ -146,7 +149,7 @@ def read_tag(storage: Storage, tag: str, world: World, *, want_model: bool, want
         saved = saved_topology(storage, tag, manifest)
         check_topology(tag, saved, world, want_optim)
         reader = FileReader(storage, tag, manifest, trusted, mapped=mapped)
-        state = _read_parts(reader, saved, world, want_model, want_optim, want_scheduler, num_workers)
+        state = _read_parts(reader, saved, world, want_model, want_optim, want_scheduler, num_workers, node_local)
         state["manifest"], state["saved"] = manifest, saved
     except ValueError as exc:
         rel = f"{tag}/{layout.MANIFEST_FILE}"
@@ -180,17 +183,18 @@ def copies_every_tensor(model, optimizer) -> bool:
 
 
 def _read_parts(reader: FileReader, saved: dict, world: World, want_model: bool, want_optim: bool,
-                want_scheduler: bool, num_workers: int) -> dict:
+                want_scheduler: bool, num_workers: int, node_local: bool) -> dict:
     topo = world.topology
     out: Dict[str, object] = {}
-    cooperative = world.distributed and world.world_size > 1
+    cooperative = world.distributed and world.world_size > 1 and not node_local
+    xser_shard = bool(saved.get("xser", True))
     with ThreadPoolExecutor(max_workers=max(1, num_workers)) as pool:
         if want_model:
             name = model_filename(topo, world.rank)
             rel = f"{layout.MODEL_DIR}/{name}"
             _require(reader, rel, "model")
             groups = replica_groups(topo, lambda r: model_filename(topo, r))
-            out["model"] = read_shard(reader, rel, groups[name], world.rank, pool, cooperative)
+            out["model"] = read_shard(reader, rel, groups[name], world.rank, pool, cooperative, xser_shard)
             out["model_groups"] = list(groups.values())
         if want_optim:
             zero1 = bool(saved.get("zero1"))
@@ -198,7 +202,7 @@ def _read_parts(reader: FileReader, saved: dict, world: World, want_model: bool,
             rel = f"{layout.OPTIM_DIR}/{name}"
             _require(reader, rel, "optimizer")
             groups = replica_groups(topo, lambda r: optim_filename(topo, r, zero1))
-            out["optim"] = read_shard(reader, rel, groups[name], world.rank, pool, cooperative)
+            out["optim"] = read_shard(reader, rel, groups[name], world.rank, pool, cooperative, xser_shard)
             out["optim_groups"] = list(groups.values())
     if want_scheduler:
         if not reader.exists(layout.SCHEDULER_FILE):
@@ -282,16 +286,36 @@ def _drop_paths(obj, prefix: str, patterns):
 
 
 def check_model(model, sd: dict, strict: bool, patterns: List[str]) -> None:
-    if not strict or not isinstance(model, torch.nn.Module):
+    """Raise StateMismatchError, before anything is applied, when ``sd`` cannot load into ``model``: keys
+    (strict; a dict target is checked only when it is non-empty: an empty dict receives the whole state)
+    or tensor shapes (always for an nn.Module, whose load_state_dict would otherwise copy part of the
+    state and then fail; under strict for a dict)."""
+    if isinstance(model, torch.nn.Module):
+        targets = model.state_dict()
+    elif isinstance(model, dict) and model:
+        targets = model
+    else:
         return
-    want = {k for k in model.state_dict().keys() if not _matches(f"model/{k}", patterns)}
-    have = set(sd.keys())
-    missing, unexpected = sorted(want - have), sorted(have - want)
-    if missing or unexpected:
+    if strict:
+        want = {k for k in targets if not _matches(f"model/{k}", patterns)}
+        have = set(sd.keys())
+        missing, unexpected = sorted(want - have), sorted(have - want)
+        if missing or unexpected:
+            raise StateMismatchError(
+                "the checkpoint's model keys do not match the model (strict=True): "
+                f"missing from checkpoint: {missing or 'none'}; unexpected in checkpoint: {unexpected or 'none'}. "
+                "Pass strict=False to load the overlap, or ignore_keys=['model/<pattern>'] to skip keys.")
+    if isinstance(model, dict) and not strict:
+        return
+    wrong = [f"{k}: checkpoint {tuple(v.shape)}, model {tuple(targets[k].shape)}" for k, v in sorted(sd.items())
+             if isinstance(v, torch.Tensor) and isinstance(targets.get(k), torch.Tensor)
+             and tuple(v.shape) != tuple(targets[k].shape)]
+    if wrong:
+        shown = "; ".join(wrong[:10]) + (f"; and {len(wrong) - 10} more" if len(wrong) > 10 else "")
         raise StateMismatchError(
-            "the checkpoint's model keys do not match the model (strict=True): "
-            f"missing from checkpoint: {missing or 'none'}; unexpected in checkpoint: {unexpected or 'none'}. "
-            "Pass strict=False to load the overlap, or ignore_keys=['model/<pattern>'] to skip keys.")
+            f"the checkpoint's tensor shapes do not match the model for {len(wrong)} key(s): {shown}. Build the "
+            "model with the sizes (and TP degree) it was saved with, or pass ignore_keys=['model/<key>'] to skip "
+            "those keys.")
 
 
 def is_zero1_target(optimizer) -> bool:

@@ -10,9 +10,10 @@ from __future__ import annotations
 import io
 import logging
 import os
+import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import crc32c as _crc32c
 import torch
@@ -74,7 +75,10 @@ class FileReader:
         return self.storage.exists(f"{self.tag}/{relpath}")
 
     def load_pickle(self, relpath: str):
-        data = self.read(relpath)
+        return self.parse_pickle(relpath, self.read(relpath))
+
+    def parse_pickle(self, relpath: str, data: bytes):
+        """Unpickle ``data`` (the verified bytes of ``relpath``) safely unless the reader is trusted."""
         try:
             return xser.load_refs(io.BytesIO(data), trusted=self.trusted, name=f"{self.tag}/{relpath}")
         except xser.UnsafeCheckpointError:
@@ -168,12 +172,25 @@ class ShardRead:
     info: Optional[dict]
     tensors: Dict[int, torch.Tensor] = field(default_factory=dict)
     replicas: List[int] = field(default_factory=list)
+    # A plain (non-xser) shard is one pickle: one replica reads it and ships its verified bytes.
+    raw_owner: Optional[int] = None
+    raw: Optional[bytes] = None
+    parse: Optional[Callable[[bytes], object]] = None
 
 
 def read_shard(reader: FileReader, relpath: str, replicas: List[int], rank: int, pool: ThreadPoolExecutor,
-               cooperative: bool) -> ShardRead:
+               cooperative: bool, xser_shard: bool = True) -> ShardRead:
     """Read the ref (and info) of a shard and this rank's share of its tensors (all of them when the
-    replicas cannot cooperate: no info file, or no process group)."""
+    replicas cannot cooperate: no info file, or no process group). A plain shard is read by one replica
+    only (chosen by the file's name, so model and optimizer shards go to different replicas)."""
+    if cooperative and not xser_shard and len(replicas) > 1:
+        owner = replicas[zlib.crc32(relpath.encode()) % len(replicas)]
+        shard = ShardRead(relpath, None, [], {}, None, replicas=list(replicas), raw_owner=owner,
+                          parse=lambda data: reader.parse_pickle(relpath, data))
+        if rank == owner:
+            shard.raw = reader.read(relpath)
+            shard.ref_data = shard.parse(shard.raw)
+        return shard
     ref_data = reader.load_pickle(relpath)
     tids = sorted(xser.collect_tids(ref_data))
     info = None
@@ -203,6 +220,9 @@ def share_shard(shard: ShardRead, group) -> None:
     """Phase two: every replica receives the tensors it did not read, from their readers."""
     if len(shard.replicas) <= 1:
         return
+    if shard.raw_owner is not None:
+        _share_raw(shard, group)
+        return
     for tid in shard.tids:
         src = shard.owner_of[tid]
         if tid in shard.tensors:
@@ -213,6 +233,19 @@ def share_shard(shard: ShardRead, group) -> None:
             t = torch.empty(tuple(e["shape"]), dtype=e["dtype"])
             shard.tensors[tid] = t
         hostgroups.broadcast_tensor(t, src, group)
+
+
+def _share_raw(shard: ShardRead, group) -> None:
+    size = torch.tensor([len(shard.raw) if shard.raw is not None else 0], dtype=torch.int64)
+    hostgroups.broadcast_tensor(size, shard.raw_owner, group)
+    if shard.raw is not None:
+        body = torch.frombuffer(bytearray(shard.raw), dtype=torch.uint8)
+        shard.raw = None
+    else:
+        body = torch.empty(int(size.item()), dtype=torch.uint8)
+    hostgroups.broadcast_tensor(body, shard.raw_owner, group)
+    if shard.ref_data is None:
+        shard.ref_data = shard.parse(memoryview(body.numpy()))
 
 
 def resolve(shard: ShardRead):

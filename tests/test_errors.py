@@ -109,6 +109,39 @@ def test_strict_key_mismatch_lists_keys_and_changes_nothing(saved):
     nxd_ckpt.load_checkpoint(root, model=target, ignore_keys=["model/extra"])
 
 
+def test_shape_mismatch_is_named_and_changes_nothing(saved):
+    root, _, _ = saved
+    target = TinyShard(seed_offset=9)
+    target.bias = torch.nn.Parameter(torch.zeros(5).to(xla_device()))   # same keys, bias of another size
+    before = to_cpu_state(target.state_dict())
+    for strict in (True, False):
+        with pytest.raises(nxd_ckpt.StateMismatchError) as e:
+            nxd_ckpt.load_checkpoint(root, model=target, strict=strict)
+        assert "shapes do not match the model for 1 key(s): bias: checkpoint (8,), model (5,)" in str(e.value)
+        assert "ignore_keys=['model/<key>']" in str(e.value)
+        assert_bit_equal(before, to_cpu_state(target.state_dict()))      # `up` and `down` were not copied
+    nxd_ckpt.load_checkpoint(root, model=target, ignore_keys=["model/bias"])
+    assert target.bias.shape == (5,)
+
+
+def test_a_dict_model_is_checked_under_strict(saved):
+    root, model, _ = saved
+    target = {"up": torch.zeros(8, 8), "extra": torch.zeros(1)}
+    with pytest.raises(nxd_ckpt.StateMismatchError) as e:
+        nxd_ckpt.load_checkpoint(root, model=target)
+    assert "missing from checkpoint: ['extra']" in str(e.value)
+    assert "unexpected in checkpoint: ['bias', 'down', 'steps_seen']" in str(e.value)
+    assert sorted(target) == ["extra", "up"] and torch.count_nonzero(target["up"]) == 0
+    nxd_ckpt.load_checkpoint(root, model=target, strict=False)            # the overlap loads, extra stays
+    assert sorted(target) == ["bias", "down", "extra", "steps_seen", "up"]
+    assert torch.equal(target["up"], model.up.detach().cpu())
+    with pytest.raises(nxd_ckpt.StateMismatchError, match="up: checkpoint \\(8, 8\\), model \\(2, 2\\)"):
+        nxd_ckpt.load_checkpoint(root, model={"up": torch.zeros(2, 2)}, ignore_keys=["model/[bds]*"])
+    whole = {}
+    nxd_ckpt.load_checkpoint(root, model=whole)                            # an empty dict takes everything
+    assert sorted(whole) == ["bias", "down", "steps_seen", "up"]
+
+
 def test_ignore_keys_glob_and_callable(saved):
     root, model, _ = saved
     target = TinyShard(seed_offset=9)
@@ -217,6 +250,7 @@ def test_topology_mismatch_names_both_and_the_tool(tmp_path):
     for m in msgs:
         assert m is not None
         assert "saved at TP=2 PP=1 DP=4" in m and "runs TP=4 PP=1 DP=2" in m and "TP differs" in m
+        assert "`nxd-ckpt export <dir>/s --output <hf_dir>`" in m
     msgs = run_ranks(_load_dp2_zero1, 4, root, timeout=120)   # TP=2 DP=2: model fits, ZeRO-1 state does not
     for m in msgs:
         assert m is not None and "DP differs" in m and "nxd-ckpt convert-zero1" in m and "--dp_size 2" in m

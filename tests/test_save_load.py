@@ -26,7 +26,7 @@ def _count_writes():
     return written
 
 
-def _layout_rank(rank, world, root, tp, pp, use_xser):
+def _layout_rank(rank, world, root, tp, pp, use_xser, node_local=False):
     import nxd_ckpt
 
     ps = _setup(tp, pp)
@@ -57,7 +57,8 @@ def _layout_rank(rank, world, root, tp, pp, use_xser):
 
     reader.FileReader.read = lambda self, rel: (reads.append(rel), original(self, rel))[1]
     reader.FileReader._load_tensor_direct = direct
-    uc = nxd_ckpt.load_checkpoint(root, model=fresh, optimizer=fresh_opt, scheduler=fresh_sched)
+    uc = nxd_ckpt.load_checkpoint(root, model=fresh, optimizer=fresh_opt, scheduler=fresh_sched,
+                                  node_local=node_local)
     reader.FileReader.read = original
     reader.FileReader._load_tensor_direct = original_direct
     assert uc == {"step": 2, "note": "hi"}
@@ -101,6 +102,22 @@ def test_tp2_pp2_dp2_layout_and_reload(tmp_path, use_xser):
         tensor_reads = [rel for r in results for rel in r["reads"] if ".tensors/" in rel]
         assert len(tensor_reads) == len(set(tensor_reads)) == 4 * 13
         assert all(any(".tensors/" in rel for rel in r["reads"]) for r in results)
+    else:
+        # a plain shard is one pickle: read by one replica of its DP group, received by the other
+        shard_reads = [rel for r in results for rel in r["reads"] if rel.startswith(("model/", "optim/"))]
+        assert sorted(shard_reads) == sorted({rel.split("/", 1)[1] for rel in _expected_files(2, 2, 4, 9, False)
+                                              if "/model/" in rel or "/optim/" in rel})
+
+
+@pytest.mark.parametrize("use_xser", [True, False], ids=["xser", "plain"])
+def test_node_local_storage_every_rank_reads_its_own_files(tmp_path, use_xser):
+    root = str(tmp_path / "ckpt")
+    results = run_ranks(_layout_rank, 2, root, 1, 1, use_xser, node_local=True, timeout=120)   # DP=2
+    for r in results:
+        reads = [rel for rel in r["reads"] if rel.startswith(("model/", "optim/")) and not rel.endswith(".info.pt")]
+        files = {rel.split("/", 1)[1] for rel in _expected_files(1, 1, 4, 9, use_xser)
+                 if ("/model/" in rel or "/optim/" in rel) and not rel.endswith(".info.pt")}
+        assert sorted(reads) == sorted(files)
 
 
 def test_info_records_partition_attributes(tmp_path):
