@@ -295,3 +295,82 @@ def test_expert_parallel_file_names(tmp_path):
             assert_bit_equal(want, load_shard(out, f"optim/{layout.shard_filename(r, 0, 0, e)}"), f"ep {e} dp {r}")
     topo = json.load(open(os.path.join(out, "manifest.json")))["topology"]
     assert (topo["ep"], topo["dp"], topo["world_size"]) == (2, 8, 8)
+
+
+# --- a real run: saved at DP=4, converted, resumed at DP=2 ---------------------------------------------------
+K = 2
+
+
+def _zero1_run(ps, seed_offset=0):
+    from nxd_ckpt.testing import ZeroOneAdam
+    from tiny_models import TinyShard
+
+    model = TinyShard(seed_offset=seed_offset)
+    opt = ZeroOneAdam(model.parameters(), lr=0.05, dp_group=ps.get_data_parallel_host_group(),
+                      dp_rank=ps.get_data_parallel_rank(), dp_size=ps.get_data_parallel_size())
+    return model, opt
+
+
+def _train_dp(ps, model, opt, start):
+    from tiny_models import train_steps
+
+    train_steps(model, opt, K, seed=5, dp_rank=ps.get_data_parallel_rank(), start=start)
+
+
+def _save_at_dp4(rank, world, root):
+    import nxd_ckpt
+    import parallel_state as ps
+
+    ps.initialize_model_parallel(tensor_model_parallel_size=1)
+    model, opt = _zero1_run(ps)
+    _train_dp(ps, model, opt, 0)
+    nxd_ckpt.save_checkpoint(root, "dp4", model=model, optimizer=opt, user_content={"step": K})
+
+
+def _resharded_by_hand(tagdir, dp_rank, dp_size):
+    """The reference: the DP=4 state files merged and re-split in memory with the test's own helpers."""
+    from nxd_ckpt.testing.zero1_adam import unshard
+
+    old = [_optim(tagdir, r) for r in range(4)]
+    sd = {"state": old[0]["state"], "param_groups": old[0]["param_groups"], "base_state": {},
+          "shape_info": old[0]["shape_info"], "sharded_master_weights": {}}
+    for i, shape in old[0]["shape_info"].items():
+        st = dict(old[0]["base_state"][i])
+        for key in ("exp_avg", "exp_avg_sq"):
+            st[key] = shard_of(unshard([o["base_state"][i][key] for o in old], shape), dp_rank, dp_size)
+        sd["base_state"][i] = st
+        sd["sharded_master_weights"][i] = shard_of(
+            unshard([o["sharded_master_weights"][i] for o in old], shape), dp_rank, dp_size)
+    return sd
+
+
+def _resume_at_dp2(rank, world, root):
+    import nxd_ckpt
+    import parallel_state as ps
+    from tiny_models import to_cpu_state
+
+    ps.initialize_model_parallel(tensor_model_parallel_size=1)
+    dp_rank = ps.get_data_parallel_rank()
+    model, opt = _zero1_run(ps, seed_offset=7)          # another init: everything must come from disk
+    assert nxd_ckpt.load_checkpoint(root, "dp2", model=model, optimizer=opt) == {"step": K}
+    ref_sd = _resharded_by_hand(os.path.join(root, "dp4"), dp_rank, 2)
+    assert_bit_equal(ref_sd, to_cpu_state(opt.state_dict()), "converted optimizer state")
+
+    ref_model, ref_opt = _zero1_run(ps, seed_offset=9)
+    nxd_ckpt.load_checkpoint(root, "dp4", model=ref_model)  # model shards are DP-replicated: any DP loads them
+    ref_opt.load_state_dict(ref_sd)
+    _train_dp(ps, model, opt, K)
+    _train_dp(ps, ref_model, ref_opt, K)
+    assert_bit_equal(to_cpu_state(ref_model.state_dict()), to_cpu_state(model.state_dict()), "model")
+    assert_bit_equal(to_cpu_state(ref_opt.state_dict()), to_cpu_state(opt.state_dict()), "optimizer")
+    return True
+
+
+def test_saved_at_dp4_converted_resumes_at_dp2_like_the_reference(tmp_path, capsys):
+    from harness import run_ranks
+
+    root = str(tmp_path / "ckpt")
+    run_ranks(_save_at_dp4, 4, root, timeout=180)
+    assert _convert(["--input_dir", os.path.join(root, "dp4"), "--output_dir", os.path.join(root, "dp2"),
+                     "--convert_to_sharded", "--dp_size", "2"]) == 0
+    assert run_ranks(_resume_at_dp2, 2, root, timeout=180) == [True, True]
