@@ -13,6 +13,8 @@ import time
 from dataclasses import dataclass
 from typing import Dict, Iterable, List, Optional, Set, Tuple
 
+import crc32c as _crc32c
+
 from . import layout
 from ._version import __version__
 from .storage import Storage
@@ -60,7 +62,7 @@ def publish(storage: Storage, tag: str, manifest: dict) -> None:
     staging = staging_name(tag)
     body = json.dumps(manifest, indent=1, sort_keys=False).encode()
     storage.write_file(f"{staging}/{layout.MANIFEST_FILE}", lambda f: f.write(body))
-    storage.write_file(f"{staging}/{layout.DONE_MARKER}", lambda f: f.write(b"1"))
+    storage.write_file(f"{staging}/{layout.DONE_MARKER}", lambda f: f.write(done_body(body)))
     storage.sync_dirs([staging])
     if storage.exists(tag):
         _replace_tag(storage, staging, tag)
@@ -131,15 +133,59 @@ def write_newest(storage: Storage, tag: str) -> None:
     storage.write_file(layout.NEWEST_FILE, lambda f: f.write(tag.encode()))
 
 
-def read_manifest(storage: Storage, tag: str) -> Optional[dict]:
-    """The tag's manifest, or None when it has none (NxD checkpoints). Raises ValueError if unreadable."""
-    rel = f"{tag}/{layout.MANIFEST_FILE}"
-    if not storage.exists(rel):
+_DONE_PREFIX = b"nxd-ckpt manifest"
+
+
+def done_body(manifest_body: bytes) -> bytes:
+    """What nxd-ckpt writes into `done` (NxD only checks that it exists): the manifest's size and CRC32C,
+    so a tag that lost its manifest, or whose manifest changed, is recognised as damaged."""
+    return b"%s size=%d crc32c=%08x\n" % (_DONE_PREFIX, len(manifest_body), _crc32c.crc32c(manifest_body))
+
+
+def _sealed(done: Optional[bytes]) -> Optional[Tuple[int, str]]:
+    """(size, crc32c) of the manifest recorded in a `done` body, or None for NxD's (and older) markers."""
+    if not done or not done.startswith(_DONE_PREFIX):
         return None
-    data = json.loads(storage.read_bytes(rel))
-    if data.get("format") != MANIFEST_FORMAT:
-        raise ValueError(f"{rel} is not an nxd-ckpt manifest")
+    fields = dict(f.split(b"=", 1) for f in done.split()[2:] if b"=" in f)
+    try:
+        return int(fields[b"size"]), fields[b"crc32c"].decode()
+    except (KeyError, ValueError, UnicodeDecodeError):
+        return -1, ""    # ours, but the record itself is damaged: nothing will match it
+
+
+def parse_manifest(body: Optional[bytes], done: Optional[bytes], where: str) -> Optional[dict]:
+    """The manifest of a tag from the bytes of its manifest file (None: no file) and of its `done`
+    (None: none). None when the tag has no manifest and `done` does not name one (a neuronx-distributed
+    checkpoint). ValueError, saying what is wrong, when it is missing, altered or not a manifest."""
+    sealed = _sealed(done)
+    if body is None:
+        if sealed is not None:
+            raise ValueError(f"{where}/{layout.MANIFEST_FILE} is missing although `done` records one")
+        return None
+    if sealed is not None:
+        found = (len(body), f"{_crc32c.crc32c(body):08x}")
+        if found != sealed:
+            raise ValueError(f"{where}/{layout.MANIFEST_FILE} does not match the size and crc32c recorded in `done` "
+                             f"(expected {sealed[0]} bytes, crc32c {sealed[1]}; found {found[0]}, {found[1]})")
+    data = json.loads(body)
+    if not isinstance(data, dict) or data.get("format") != MANIFEST_FORMAT:
+        raise ValueError(f"{where}/{layout.MANIFEST_FILE} is not an nxd-ckpt manifest")
+    wrong = [k for k, kind in _MANIFEST_FIELDS.items() if not isinstance(data.get(k), kind)]
+    if wrong:
+        raise ValueError(f"{where}/{layout.MANIFEST_FILE} lacks or garbles the fields {wrong}")
     return data
+
+
+_MANIFEST_FIELDS = {"topology": dict, "files": dict, "tensors": dict, "zero1": bool, "xser": bool}
+
+
+def read_manifest(storage: Storage, tag: str) -> Optional[dict]:
+    """The tag's manifest, or None when it has none (NxD checkpoints). ValueError when it is missing
+    although `done` records one, altered, or unreadable."""
+    rel = f"{tag}/{layout.MANIFEST_FILE}"
+    done = f"{tag}/{layout.DONE_MARKER}"
+    body = storage.read_bytes(rel) if storage.exists(rel) else None
+    return parse_manifest(body, storage.read_bytes(done) if storage.exists(done) else None, tag)
 
 
 def expects_manifest(storage: Storage, tag: str) -> bool:
@@ -148,6 +194,8 @@ def expects_manifest(storage: Storage, tag: str) -> bool:
     neuronx-distributed tags committed before nxd-ckpt first saved here still load without one."""
     if storage.exists(f"{tag}/{layout.MANIFEST_FILE}") or not storage.exists(f"{tag}/{layout.DONE_MARKER}"):
         return False
+    if _sealed(storage.read_bytes(f"{tag}/{layout.DONE_MARKER}")) is not None:
+        return True
     try:
         if storage.read_bytes(layout.NEWEST_FILE).decode().strip() == tag:
             return True

@@ -29,6 +29,11 @@ class CorruptCheckpointError(CheckpointError):
         self.found = found
 
 
+class UnsafeCheckpointError(CheckpointError):
+    """A pickle in the checkpoint needs code outside the safe allowlist; load it only if the files are
+    trusted (``trusted=True``)."""
+
+
 class TopologyMismatchError(CheckpointError):
     """The checkpoint was saved at a parallel layout the current job cannot load directly."""
 

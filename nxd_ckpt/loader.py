@@ -111,20 +111,32 @@ def check_topology(tag: str, saved: dict, world: World, loading_optim: bool) -> 
 def agree(error: Optional[BaseException]) -> None:
     """Every rank: exchange this rank's error (or None) over the host group; if any rank failed, raise
     on every rank -- this rank's own error, or the first failing rank's, re-created with its class."""
-    status = None if error is None else (type(error).__name__, str(error), getattr(error, "path", None))
+    status = None if error is None else (type(error).__name__, str(error), getattr(error, "path", None),
+                                         getattr(error, "expected", None), getattr(error, "found", None))
     statuses = hostgroups.all_gather_objects(status)
     bad = [(r, s) for r, s in enumerate(statuses) if s is not None]
     if not bad:
         return
     if error is not None:
         raise error
-    r, (cls_name, msg, path) = bad[0]
+    r, (cls_name, msg, path, expected, found) = bad[0]
     cls = getattr(errors, cls_name, None)
     if not (isinstance(cls, type) and issubclass(cls, errors.CheckpointError)):
         cls = errors.CheckpointError
     if cls is CorruptCheckpointError:
-        raise CorruptCheckpointError(f"rank {r}: {msg}", path=path)
+        raise CorruptCheckpointError(f"rank {r}: {msg}", path=path, expected=expected, found=found)
     raise cls(f"rank {r}: {msg}")
+
+
+def _manifest_of(storage: Storage, tag: str) -> Optional[dict]:
+    try:
+        return commit.read_manifest(storage, tag)
+    except ValueError as exc:
+        rel = f"{tag}/{layout.MANIFEST_FILE}"
+        raise CorruptCheckpointError(
+            f"checkpoint {tag!r}: its manifest cannot be trusted ({exc}), so its files cannot be verified. Load "
+            f"another tag (tag=None picks the newest intact one); `nxd-ckpt verify {storage.root}` checks them all",
+            path=rel) from None
 
 
 def read_tag(storage: Storage, tag: str, world: World, *, want_model: bool, want_optim: bool,
@@ -137,7 +149,7 @@ def read_tag(storage: Storage, tag: str, world: World, *, want_model: bool, want
     state: Dict[str, object] = {}
     error: Optional[BaseException] = None
     try:
-        manifest = commit.read_manifest(storage, tag)
+        manifest = _manifest_of(storage, tag)
         if manifest is None and commit.expects_manifest(storage, tag):
             rel = f"{tag}/{layout.MANIFEST_FILE}"
             raise CorruptCheckpointError(
@@ -151,11 +163,6 @@ def read_tag(storage: Storage, tag: str, world: World, *, want_model: bool, want
         reader = FileReader(storage, tag, manifest, trusted, mapped=mapped)
         state = _read_parts(reader, saved, world, want_model, want_optim, want_scheduler, num_workers, node_local)
         state["manifest"], state["saved"] = manifest, saved
-    except ValueError as exc:
-        rel = f"{tag}/{layout.MANIFEST_FILE}"
-        error = CorruptCheckpointError(
-            f"checkpoint {tag!r}: {rel} is unreadable ({exc}), so its files cannot be verified. Load another tag "
-            f"(tag=None picks the newest intact one); `nxd-ckpt verify {storage.root}` checks them all", path=rel)
     except Exception as exc:  # noqa: BLE001 - every failure must be agreed on before anyone raises
         error = exc
     agree(error)
@@ -216,11 +223,19 @@ def _read_parts(reader: FileReader, saved: dict, world: World, want_model: bool,
 
 def _require(reader: FileReader, rel: str, what: str) -> None:
     if not reader.exists(rel):
-        if reader.manifest is None and (reader.exists(layout.info_path(rel))
-                                        or reader.storage.isdir(f"{reader.tag}/{layout.tensors_dir(rel)}")):
+        folder = f"{reader.tag}/{rel.rsplit('/', 1)[0]}"
+        names = reader.storage.listdir(folder) if reader.storage.isdir(folder) else []
+        if what == "optimizer" and any(layout.parse_full_filename(n) is not None for n in names):
+            raise StateMismatchError(
+                f"checkpoint {reader.tag!r} holds a merged (full) ZeRO-1 optimizer state, as `nxd-ckpt convert-zero1 "
+                "--convert_to_full` writes it; shard it for this job first: `nxd-ckpt convert-zero1 --input_dir "
+                f"<dir>/{reader.tag} --output_dir <dir>/<new_tag> --convert_to_sharded --dp_size <DP>`")
+        # Without a manifest, damage shows as a hole: NxD creates model/ (optim/) only to fill it, and the
+        # topology just checked says this rank's shard belongs there.
+        if reader.manifest is None and reader.storage.isdir(folder):
             full = f"{reader.tag}/{rel}"
             raise CorruptCheckpointError(
-                f"checkpoint {reader.tag!r} is marked complete but {full} is missing (its tensor files are there); "
+                f"checkpoint {reader.tag!r} is marked complete but {full} is missing (its folder is there); "
                 "load another tag (tag=None picks the newest intact one), or restore the file", path=full)
         raise StateMismatchError(
             f"checkpoint {reader.tag!r} has no {what} shard {rel} for this rank; it was saved without a {what} "
@@ -339,8 +354,8 @@ def check_optimizer(optimizer, osd, saved_zero1: bool, tag: str) -> None:
     if saved_zero1 and not target_zero1:
         raise StateMismatchError(
             f"checkpoint {tag!r} holds ZeRO-1 (DP-sharded) optimizer state but the optimizer is a plain "
-            f"{type(optimizer).__name__}: load it into a ZeRO-1 optimizer, or merge it with `nxd-ckpt convert-zero1 "
-            "--convert_to_full` first, or call load_checkpoint without optimizer=")
+            f"{type(optimizer).__name__}: load it into a ZeRO-1 optimizer, or call load_checkpoint without "
+            "optimizer= (the model alone loads into any optimizer set-up)")
     if target_zero1 and not saved_zero1:
         raise StateMismatchError(
             f"checkpoint {tag!r} holds a plain (replicated) optimizer state but the optimizer is ZeRO-1 "

@@ -21,7 +21,7 @@ import torch
 import xser
 
 from . import hostgroups, layout
-from .errors import CorruptCheckpointError
+from .errors import CorruptCheckpointError, UnsafeCheckpointError
 from .plan import assign_to_bins
 from .storage import LocalStorage, Storage
 
@@ -81,8 +81,8 @@ class FileReader:
         """Unpickle ``data`` (the verified bytes of ``relpath``) safely unless the reader is trusted."""
         try:
             return xser.load_refs(io.BytesIO(data), trusted=self.trusted, name=f"{self.tag}/{relpath}")
-        except xser.UnsafeCheckpointError:
-            raise
+        except xser.UnsafeCheckpointError as exc:
+            raise UnsafeCheckpointError(str(exc)) from None
         except xser.XserError as exc:
             raise CorruptCheckpointError(f"{exc}; {_NEXT}", path=f"{self.tag}/{relpath}") from exc
 
@@ -93,8 +93,8 @@ class FileReader:
         data = self.read(relpath)
         try:
             return xser.read_tensor(io.BytesIO(data), trusted=self.trusted)
-        except xser.UnsafeCheckpointError:
-            raise
+        except xser.UnsafeCheckpointError as exc:
+            raise UnsafeCheckpointError(str(exc)) from None
         except (xser.XserError, RuntimeError, EOFError) as exc:
             raise CorruptCheckpointError(f"{self.tag}/{relpath} is damaged: {exc}; {_NEXT}",
                                          path=f"{self.tag}/{relpath}") from exc
@@ -110,8 +110,8 @@ class FileReader:
         full = f"{self.tag}/{relpath}"
         try:
             return _read_tensor_mapped(self.storage.path(full), entry, self.trusted, full)
-        except xser.UnsafeCheckpointError:
-            raise
+        except xser.UnsafeCheckpointError as exc:
+            raise UnsafeCheckpointError(str(exc)) from None
         except Exception:  # noqa: BLE001 - any doubt: the byte-exact path decides and explains
             return None
 

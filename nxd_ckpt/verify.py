@@ -8,7 +8,6 @@ tensor file opens.
 from __future__ import annotations
 
 import io
-import json
 import os
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -20,7 +19,7 @@ import torch
 
 import xser
 
-from . import layout
+from . import commit, layout
 from .errors import CheckpointError, CorruptCheckpointError
 
 READ_BLOCK = 8 << 20
@@ -30,18 +29,18 @@ READ_BLOCK = 8 << 20
 def load_manifest_file(tagdir: str) -> Optional[dict]:
     """The tag's manifest, None when it has none; CorruptCheckpointError when it cannot be parsed."""
     path = os.path.join(tagdir, layout.MANIFEST_FILE)
+    try:
+        return commit.parse_manifest(_read_if_file(path), _read_if_file(os.path.join(tagdir, layout.DONE_MARKER)),
+                                     tagdir)
+    except (OSError, ValueError) as exc:
+        raise CorruptCheckpointError(f"the tag's manifest cannot be trusted: {exc}", path=path) from None
+
+
+def _read_if_file(path: str) -> Optional[bytes]:
     if not os.path.isfile(path):
         return None
-    try:
-        with open(path, "rb") as f:
-            data = json.loads(f.read())
-    except (OSError, ValueError) as exc:
-        raise CorruptCheckpointError(f"{path} is not readable JSON ({exc}); the tag's manifest is damaged",
-                                     path=path) from None
-    if not isinstance(data, dict) or data.get("format") != "nxd-ckpt-manifest" or not isinstance(
-            data.get("files"), dict):
-        raise CorruptCheckpointError(f"{path} is not an nxd-ckpt manifest", path=path)
-    return data
+    with open(path, "rb") as f:
+        return f.read()
 
 
 def file_crc32c(path: str) -> Tuple[int, int]:
@@ -432,11 +431,13 @@ def _check_dp_ranks(folder: str, res: VerifyResult) -> None:
 
 
 def list_tag_dirs(checkpoint_dir: str) -> List[str]:
-    """Tag directories under a checkpoint dir (complete or not), newest first; staging debris excluded."""
-    from . import commit
+    """Tag directories under a checkpoint dir: what load_checkpoint can read, newest first (including a
+    tag a crash left under a suffixed name), then the incomplete ones; other staging debris excluded."""
     from .storage import LocalStorage
 
-    return [t.tag for t in commit.scan_tags(LocalStorage(checkpoint_dir))]
+    storage = LocalStorage(checkpoint_dir)
+    return [name for _, name in commit.loadable(storage)] + [t.tag for t in commit.scan_tags(storage)
+                                                             if not t.complete]
 
 
 def verify_dir(checkpoint_dir: str, workers: int = 8, progress: Optional[bool] = None, **kw) -> List[VerifyResult]:

@@ -816,7 +816,7 @@ def _write_manifest(out: LocalStorage, tag: str, in_manifest: Optional[dict], sr
                              "dp": in_manifest.get("topology", {}).get("dp") if in_manifest else None}
     body = json.dumps(man, indent=1).encode()
     out.write_file(layout.MANIFEST_FILE, lambda f: f.write(body))
-    out.write_file(layout.DONE_MARKER, lambda f: f.write(b"1"))
+    out.write_file(layout.DONE_MARKER, lambda f: f.write(commit.done_body(body)))
 
 
 def _rank_of(rel: str, topo: dict) -> int:

@@ -170,9 +170,24 @@ def test_optimizer_type_mismatch_both_ways(tmp_path, saved):
     zroot = str(tmp_path / "z")
     nxd_ckpt.save_checkpoint(zroot, "z1", model=model, optimizer=zero)
     plain = torch.optim.Adam(model.parameters())
-    with pytest.raises(nxd_ckpt.StateMismatchError, match="holds ZeRO-1 .* convert-zero1 --convert_to_full"):
+    with pytest.raises(nxd_ckpt.StateMismatchError, match="holds ZeRO-1 .* load it into a ZeRO-1 optimizer"):
         nxd_ckpt.load_checkpoint(zroot, model=model, optimizer=plain)
     assert plain.state_dict()["state"] == {}
+
+
+def test_a_merged_zero1_state_names_the_way_back(tmp_path):
+    from nxd_ckpt.cli import main
+
+    root = str(tmp_path / "z")
+    model = TinyShard()
+    nxd_ckpt.save_checkpoint(root, "z1", model=model, optimizer=ZeroOneAdam(model.parameters()))
+    assert main(["convert-zero1", "--input_dir", os.path.join(root, "z1"), "--output_dir",
+                 os.path.join(root, "full"), "--convert_to_full"]) == 0
+    zero = ZeroOneAdam(model.parameters())
+    with pytest.raises(nxd_ckpt.StateMismatchError) as e:
+        nxd_ckpt.load_checkpoint(root, "full", model=model, optimizer=zero)
+    assert "merged (full) ZeRO-1 optimizer state" in str(e.value)
+    assert "--input_dir <dir>/full --output_dir <dir>/<new_tag> --convert_to_sharded --dp_size <DP>" in str(e.value)
 
 
 def test_missing_scheduler_file(tmp_path):
@@ -191,8 +206,9 @@ def test_unsafe_user_content_needs_trusted(tmp_path):
 
     content = {"note": Note("hi")}   # a class outside weights_only's allowlist
     nxd_ckpt.save_checkpoint(root, "a", model=TinyShard(), user_content=content)
-    with pytest.raises(Exception) as e:
+    with pytest.raises(nxd_ckpt.UnsafeCheckpointError) as e:
         nxd_ckpt.load_checkpoint(root, model=TinyShard())
+    assert isinstance(e.value, nxd_ckpt.CheckpointError)
     assert "trusted=True" in str(e.value) and "user_content.pt" in str(e.value)
     assert "tiny_models.Note" in str(e.value)
     assert nxd_ckpt.load_checkpoint(root, model=TinyShard(), trusted=True) == content

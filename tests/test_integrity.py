@@ -74,7 +74,8 @@ DAMAGE = {
     "flip_ref": (OSHARD, "fails its checksum"),
     "truncate_user_content": ("user_content.pt", "truncated"),
     "delete_manifest": ("manifest.json", "missing"),
-    "garble_manifest": ("manifest.json", "unreadable"),
+    "garble_manifest": ("manifest.json", "does not match the size and crc32c recorded in `done`"),
+    "alter_manifest": ("manifest.json", "does not match the size and crc32c recorded in `done`"),
 }
 
 
@@ -82,7 +83,7 @@ def _damage(tagdir, kind):
     rel, _ = DAMAGE[kind]
     path = os.path.join(tagdir, rel)
     assert os.path.isfile(path), f"fixture lacks {rel}"
-    if kind.startswith("flip"):
+    if kind.startswith(("flip", "alter")):
         _flip(path)
     elif kind.startswith("truncate"):
         os.truncate(path, os.path.getsize(path) - 5)
@@ -132,6 +133,23 @@ def test_damage_is_caught_named_and_harmless(ckpt, kind, caplog, capsys):
     out = capsys.readouterr().out
     assert code == 1, out
     assert os.path.join(root, "b", rel) in out, out
+
+
+def test_the_older_tag_without_its_manifest_is_damaged_too(ckpt, capsys):
+    """`done` records the manifest's size and checksum: losing it is damage whichever tag it hits."""
+    import nxd_ckpt
+    from nxd_ckpt.cli import main
+
+    root, _ = ckpt
+    os.unlink(os.path.join(root, "a", "manifest.json"))
+    _flip(os.path.join(root, "a", SHARD + ".tensors", "tensor_0.pt"))
+    model, opt, sched = _objects(seed_offset=5)
+    before = _state(model, opt, sched)
+    with pytest.raises(nxd_ckpt.CorruptCheckpointError, match="manifest.json is missing although `done` records one"):
+        nxd_ckpt.load_checkpoint(root, tag="a", model=model, optimizer=opt, scheduler=sched)
+    _assert_state(before, model, opt, sched)
+    assert main(["verify", os.path.join(root, "a")]) == 1
+    assert "missing although `done` records one" in capsys.readouterr().out
 
 
 def test_intact_checkpoint_loads_bit_exact(ckpt):
@@ -223,3 +241,82 @@ def test_nxd_checkpoint_missing_file(nxd_dir, what, caplog):
         assert nxd_ckpt.load_checkpoint(root, model=model, optimizer=opt, scheduler=sched) == {"step": 1}
     _assert_state(states[1], model, opt, sched)
     assert any(f"nxd_2/{rel}" in r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
+
+
+def test_nxd_plain_checkpoint_missing_shard(tmp_path, caplog):
+    """NxD's default (use_xser=False): one torch.save file per shard. A deleted one is damage, not a
+    mismatch: the explicit tag raises CorruptCheckpointError and tag=None falls back."""
+    import nxd_ckpt
+
+    root = str(tmp_path / "nxd")
+    model, opt, sched = _objects()
+    states = {}
+    for step in (1, 2):
+        train_steps(model, opt, 1, seed=4, sched=sched, start=step - 1)
+        states[step] = _state(model, opt, sched)
+        path = os.path.join(root, f"nxd_{step}")
+        os.makedirs(os.path.join(path, "model"))
+        os.makedirs(os.path.join(path, "optim"))
+        open(os.path.join(path, "checkpoint"), "w").write("1")
+        torch.save(to_cpu_state(model.state_dict()), os.path.join(path, SHARD))
+        torch.save(to_cpu_state(opt.state_dict()), os.path.join(path, OSHARD))
+        torch.save(sched.state_dict(), os.path.join(path, "scheduler.pt"))
+        torch.save({"step": step}, os.path.join(path, "user_content.pt"))
+        open(os.path.join(path, "done"), "w").write("1")
+        os.utime(os.path.join(path, "done"), (1000.0 * step, 1000.0 * step))
+    os.unlink(os.path.join(root, "nxd_2", SHARD))
+    model, opt, sched = _objects(seed_offset=5)
+    before = _state(model, opt, sched)
+    with pytest.raises(nxd_ckpt.CorruptCheckpointError, match=f"nxd_2/{SHARD} is missing"):
+        nxd_ckpt.load_checkpoint(root, tag="nxd_2", model=model, optimizer=opt, scheduler=sched)
+    _assert_state(before, model, opt, sched)
+    with caplog.at_level(logging.WARNING, logger="nxd_ckpt"):
+        assert nxd_ckpt.load_checkpoint(root, model=model, optimizer=opt, scheduler=sched) == {"step": 1}
+    _assert_state(states[1], model, opt, sched)
+
+
+# ---- damage seen by one rank: every rank raises the same error, and falls back together ----------------
+def _save_two_dp2(rank, world, root):
+    import nxd_ckpt
+    import parallel_state as ps
+
+    ps.initialize_model_parallel(tensor_model_parallel_size=1)      # DP=2: one shard, two replicas
+    model, opt, sched = _objects()
+    states = {}
+    for step, tag in ((1, "a"), (2, "b")):
+        train_steps(model, opt, 1, seed=3, sched=sched, start=step - 1)
+        states[tag] = _state(model, opt, sched)
+        nxd_ckpt.save_checkpoint(root, tag, model=model, optimizer=opt, scheduler=sched)
+    return states
+
+
+def _load_damaged_dp2(rank, world, root):
+    import nxd_ckpt
+    import parallel_state as ps
+
+    ps.initialize_model_parallel(tensor_model_parallel_size=1)
+    model, opt, sched = _objects(seed_offset=5)
+    before = _state(model, opt, sched)
+    try:
+        nxd_ckpt.load_checkpoint(root, tag="b", model=model, optimizer=opt, scheduler=sched)
+        raised = None
+    except nxd_ckpt.CorruptCheckpointError as exc:
+        raised = (exc.path, exc.expected, exc.found)
+    _assert_state(before, model, opt, sched)
+    nxd_ckpt.load_checkpoint(root, model=model, optimizer=opt, scheduler=sched)
+    return raised, _state(model, opt, sched)
+
+
+def test_damage_read_by_one_replica_raises_on_both(tmp_path):
+    from harness import run_ranks
+
+    root = str(tmp_path / "ckpt")
+    states = run_ranks(_save_two_dp2, 2, root, timeout=120)[0]
+    _flip(os.path.join(root, "b", SHARD + ".tensors", "tensor_0.pt"))   # read by one replica only
+    results = run_ranks(_load_damaged_dp2, 2, root, timeout=120)
+    raised = [r[0] for r in results]
+    assert raised[0] == raised[1] and raised[0][0] == f"b/{SHARD}.tensors/tensor_0.pt"
+    assert raised[0][1] and raised[0][2] and raised[0][1] != raised[0][2]     # expected and found crc32c
+    for _, state in results:                                                  # tag=None: 'a', bit for bit
+        assert_bit_equal(states["a"]["model"], state["model"], "model")
+        assert_bit_equal(states["a"]["optim"], state["optim"], "optim")

@@ -57,7 +57,7 @@ def test_resaving_a_tag_replaces_it_and_leaves_no_debris(tmp_path, monkeypatch, 
     assert_bit_equal(_loaded(root, "x"), v2)
 
 
-def test_a_crash_between_the_renames_loses_nothing(tmp_path):
+def test_a_crash_between_the_renames_loses_nothing(tmp_path, capsys):
     import nxd_ckpt
 
     root, _, v2 = _crashed_between_renames(tmp_path)
@@ -66,6 +66,10 @@ def test_a_crash_between_the_renames_loses_nothing(tmp_path):
     assert_bit_equal(_loaded(root), v2)            # tag=None: the new version, read where it lies
     assert_bit_equal(_loaded(root, "x"), v2)
     assert sorted(os.listdir(root)) == ["a", "newest", "x.nxdold", "x.nxdtmp"], "loading never renames"
+    from nxd_ckpt.cli import main
+
+    assert main(["verify", root]) == 0
+    assert "x.nxdtmp" in capsys.readouterr().out                  # verify checks what load would read
     _save(root, "b", 4)                            # the next save puts x back, then removes the debris
     assert sorted(os.listdir(root)) == ["a", "b", "newest", "x"]
     assert_bit_equal(_loaded(root, "x"), v2)
