@@ -658,6 +658,11 @@ def _convert_xser(groups: List[Group], g_in: int, full_in: bool, g_out: int, ful
                 t = reader.tensor(layout.tensor_path(grp.in_rels[0], s.leaf.tid))
             else:
                 t = s.leaf
+            # Only DP rank 0's copy is used; the others' are still checked, so damage never goes unreported.
+            for j in range(1, len(grp.sources)):
+                leaf = _get_path(grp.sources[j], s.path)
+                if xser.is_ref(leaf):
+                    reader.check_file(layout.tensor_path(grp.in_rels[j], leaf.tid))
             for out_rel in grp.out_rels:
                 rel = layout.tensor_path(out_rel, tid)
                 records[rel] = out.write_file(rel, lambda f, t=t: xser.write_tensor(t, f), durable=False)
@@ -914,5 +919,8 @@ EPILOG = """example:
 def run_from_args(args) -> ConvertResult:
     if args.convert_to_sharded and args.dp_size is None:
         raise CheckpointArgumentError("--convert_to_sharded needs --dp_size N (the new data-parallel size)")
+    if args.convert_to_full and args.dp_size is not None:
+        raise CheckpointArgumentError(f"--convert_to_full merges every DP shard, so --dp_size {args.dp_size} has "
+                                      "no meaning there; drop it, or use --convert_to_sharded --dp_size N")
     return convert_zero1(args.input_dir, args.output_dir, to_full=args.convert_to_full, dp_size=args.dp_size,
                          num_workers=args.num_workers, overwrite=args.overwrite, trusted=args.trusted)

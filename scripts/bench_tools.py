@@ -375,7 +375,11 @@ def main(argv=None) -> int:
     with open(args.out, "w") as f:
         json.dump(res, f, indent=2)
     print(f"wrote {args.out}")
-    return 0 if ((res["rss_ok"] or res["rss_over_baseline_ok"]) and res["export"]["bit_exact"]) else 1
+    missed = [name for name, ok in (("convert time", res["time_ok"]), ("convert peak memory", res["rss_ok"]),
+                                    ("export bit-exact", res["export"]["bit_exact"])) if not ok]
+    if missed:
+        print(f"targets missed: {', '.join(missed)}")
+    return 1 if missed else 0
 
 
 if __name__ == "__main__":

@@ -54,6 +54,18 @@ def env() -> dict:
     return e
 
 
+HEARTBEAT_S = 10.0
+
+
+def last_line(path: str, limit: int = 100) -> str:
+    """The last non-empty line a child has written so far (shortened), for the heartbeat."""
+    with open(path, "rb") as f:
+        f.seek(max(0, os.path.getsize(path) - 4096))
+        lines = [ln for ln in f.read().decode(errors="replace").splitlines() if ln.strip()]
+    text = lines[-1].strip() if lines else "(none yet)"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def run(name: str, cmd, expect_ok: bool = True, timeout: float = RUN_TIMEOUT_S):
     """Run a command, its output to demo_out/logs/<name>.log; return (returncode, seconds, output)."""
     path = os.path.join(LOGS, f"{name}.log")
@@ -61,14 +73,19 @@ def run(name: str, cmd, expect_ok: bool = True, timeout: float = RUN_TIMEOUT_S):
     with open(path, "w") as f:
         f.write("$ " + " ".join(cmd) + "\n")
         f.flush()
+        log(f"{name}: started (output in {os.path.relpath(path, ROOT)})")
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env(), cwd=ROOT,
                                 start_new_session=True, stdin=subprocess.DEVNULL)
-        try:
-            rc = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            fail(f"{name} did not finish within {timeout:.0f}s; see {os.path.relpath(path, ROOT)}")
+        rc = None
+        while rc is None:
+            try:
+                rc = proc.wait(timeout=min(HEARTBEAT_S, max(0.1, t + timeout - time.monotonic())))
+            except subprocess.TimeoutExpired:
+                if time.monotonic() - t >= timeout:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
+                    fail(f"{name} did not finish within {timeout:.0f}s; see {os.path.relpath(path, ROOT)}")
+                log(f"{name}: running for {time.monotonic() - t:.0f}s; last output: {last_line(path)}")
     secs = time.monotonic() - t
     with open(path) as f:
         text = f.read()
@@ -94,6 +111,23 @@ def load_json(path):
 
 def indent(text: str, prefix: str = "      ") -> str:
     return "\n".join(prefix + line for line in text.rstrip().splitlines())
+
+
+def compare_runs(out_dir: str, ranks: int, ref: dict, res: dict):
+    """(bit exact?, differences, same losses?) of the resumed run ``res`` against the reference ``ref``:
+    every rank's final state dump (final_ref / final_resume .rank<r>.pt) and the reports' checksums and
+    losses of the steps the resumed run trained."""
+    import torch
+
+    diffs = []
+    for r in range(ranks):
+        a = torch.load(os.path.join(out_dir, f"final_ref.rank{r}.pt"), weights_only=True)
+        b = torch.load(os.path.join(out_dir, f"final_resume.rank{r}.pt"), weights_only=True)
+        d = bit_diff(a, b, f"rank{r}")
+        if d:
+            diffs.append(d)
+    same_losses = all(ref["losses"].get(s) == loss for s, loss in res["losses"].items())
+    return not diffs and ref["final_checksum"] == res["final_checksum"], diffs, same_losses
 
 
 def bit_diff(a, b, path="state"):
@@ -208,18 +242,8 @@ def main() -> int:
         f"loss {dp1_losses} (DP=2 run ended at {res['losses'][str(STEPS)]:.4f})  ({secs:.1f}s)")
 
     # 5. verdict ----------------------------------------------------------------------------------------------
-    import torch
-
     t = time.monotonic()
-    diffs = []
-    for r in range(4):
-        a = torch.load(os.path.join(OUT, f"final_ref.rank{r}.pt"), weights_only=True)
-        b = torch.load(os.path.join(OUT, f"final_resume.rank{r}.pt"), weights_only=True)
-        d = bit_diff(a, b, f"rank{r}")
-        if d:
-            diffs.append(d)
-    same_losses = all(ref["losses"][s] == res["losses"][s] for s in res["losses"])
-    bit_exact = not diffs and ref["final_checksum"] == res["final_checksum"]
+    bit_exact, diffs, same_losses = compare_runs(OUT, 4, ref, res)
     phases["5_verdict"] = time.monotonic() - t
     log(f"phase 5 verdict: compared the final model + optimizer state of 4 ranks, run 3 vs run 1  "
         f"({phases['5_verdict']:.1f}s)")

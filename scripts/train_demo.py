@@ -57,6 +57,8 @@ def parse_args(argv=None):
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--tp", type=int, default=2, help="tensor parallel size (DP = world size / TP)")
     p.add_argument("--pp", type=int, default=1, help="pipeline parallel size; only 1 is supported by this model")
+    p.add_argument("--dp", type=int, default=None,
+                   help="data parallel size; must equal world size / (TP x PP) (default: that value)")
     p.add_argument("--steps", type=int, default=30, help="train until this global step (counting resumed steps)")
     p.add_argument("--ckpt-every", type=int, default=5, help="save every K steps (and at the last step); 0: never")
     p.add_argument("--async", dest="async_save", action="store_true", default=True, help="async saves")
@@ -385,6 +387,9 @@ def main(argv=None):
     rank, world = dist.get_rank(), dist.get_world_size()
     if world % args.tp:
         sys.exit(f"train_demo.py: --tp {args.tp} does not divide the world size {world}")
+    if args.dp is not None and args.dp * args.tp * args.pp != world:
+        sys.exit(f"train_demo.py: --dp {args.dp} x --tp {args.tp} x --pp {args.pp} must equal the world size {world}; "
+                 f"use --dp {world // (args.tp * args.pp)} or launch {args.dp * args.tp * args.pp} ranks")
     ps.initialize_model_parallel(tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp)
     TP.group, TP.size, TP.rank = (ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_size(),
                                   ps.get_tensor_model_parallel_rank())

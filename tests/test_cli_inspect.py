@@ -125,3 +125,30 @@ def test_end_to_end_with_save_checkpoint(tmp_path, capsys):
     got = load_file(os.path.join(out, "model.safetensors"))
     for k, v in model.state_dict().items():
         assert torch.equal(got[k], v)
+
+
+_NO_XLA = """
+import sys
+sys.modules["torch_xla"] = None          # any `import torch_xla` now raises ImportError
+from nxd_ckpt.cli import main
+rc = main(sys.argv[1:])
+assert "torch_xla" not in [m for m in sys.modules if sys.modules[m] is not None], "torch_xla was imported"
+sys.exit(rc)
+"""
+
+
+def test_every_tool_runs_without_torch_xla(tmp_path):
+    import subprocess
+    import sys
+
+    root = str(tmp_path / "ck")
+    tag = zero1_tag(root, "step_1", dp=2, tp=2)[0]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    runs = [["ls", root], ["info", tag, "--tensors"], ["verify", root],
+            ["convert-zero1", "--input_dir", tag, "--output_dir", str(tmp_path / "dp1"), "--convert_to_sharded",
+             "--dp_size", "1"],
+            ["export", tag, "--output", str(tmp_path / "hf"), "--partition", "*=0"]]
+    for argv in runs:
+        res = subprocess.run([sys.executable, "-c", _NO_XLA, *argv], capture_output=True, text=True, env=env,
+                             timeout=300, check=False)
+        assert res.returncode == 0, (argv, res.stdout[-2000:], res.stderr[-2000:])

@@ -173,3 +173,30 @@ def test_parse_size_and_header_alignment():
 
     h = safetensors_header([OutTensor("a", shape=(3,), dtype=torch.float16)])
     assert (len(h) - 8) % 8 == 0
+
+
+# --- a checkpoint written by save_checkpoint on 2 TP ranks (partition attributes from the parameters) -------
+def _save_tp2(rank, world, root):
+    import nxd_ckpt
+    import parallel_state as ps
+    from tiny_models import TinyShard, to_cpu_state
+
+    ps.initialize_model_parallel(tensor_model_parallel_size=2)
+    model = TinyShard(ps.get_tensor_model_parallel_rank())   # up: column parallel, down: row parallel
+    with torch.no_grad():                                      # bias is replicated: the same on both ranks
+        model.bias.copy_(torch.linspace(-1, 1, 8).to(model.bias.device))
+    nxd_ckpt.save_checkpoint(root, "t", model=model)
+    return to_cpu_state(model.state_dict())
+
+
+def test_export_of_a_real_tp2_save(tmp_path):
+    from harness import run_ranks
+
+    root = str(tmp_path / "ckpt")
+    shards = run_ranks(_save_tp2, 2, root, timeout=120)
+    out = str(tmp_path / "hf")
+    assert main(["export", os.path.join(root, "t"), "--output", out]) == 0
+    got = load_file(os.path.join(out, "model.safetensors"))
+    want = {"up": torch.cat([s["up"] for s in shards], 0), "down": torch.cat([s["down"] for s in shards], 1),
+            "bias": shards[0]["bias"], "steps_seen": shards[0]["steps_seen"]}   # replicated: TP rank 0's copy
+    assert_bit_equal(want, dict(sorted(got.items(), key=lambda kv: list(want).index(kv[0]))))

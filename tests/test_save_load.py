@@ -160,7 +160,11 @@ def _zero1_rank(rank, world, root):
                       dp_rank=ps.get_data_parallel_rank(), dp_size=ps.get_data_parallel_size())
     train_steps(model, opt, 2, seed=3, dp_rank=ps.get_data_parallel_rank())
     sd = opt.state_dict()
+    written = _count_writes()
     nxd_ckpt.save_checkpoint(root, "step_2", model=model, optimizer=sd, zero1_optimizer=True)
+    fresh_model = TinyShard(hidden=6, seed_offset=5).to(dev)
+    nxd_ckpt.load_checkpoint(root, model=fresh_model)
+    assert_bit_equal(to_cpu_state(model.state_dict()), to_cpu_state(fresh_model.state_dict()), "model")
     target = {}
     nxd_ckpt.load_checkpoint(root, optimizer=target)
     assert_bit_equal(to_cpu_state(sd), to_cpu_state(target), "zero1")
@@ -169,15 +173,26 @@ def _zero1_rank(rank, world, root):
                         dp_rank=ps.get_data_parallel_rank(), dp_size=ps.get_data_parallel_size())
     nxd_ckpt.load_checkpoint(root, optimizer=fresh)
     assert_bit_equal(to_cpu_state(sd), to_cpu_state(fresh.state_dict()), "zero1-object")
-    return True
+    return list(written)
+
+
+def _written_once(per_rank):
+    payload = [w.split("/", 1)[1] for ws in per_rank for w in ws if "/model/" in w or "/optim/" in w]
+    assert len(payload) == len(set(payload)), "a shard file was written by two ranks"
 
 
 def test_zero1_dp4_layout_and_reload(tmp_path):
     root = str(tmp_path / "ckpt")
-    run_ranks(_zero1_rank, 4, root, timeout=180)
-    files = all_files(root)
-    optim = sorted(f for f in files if f.startswith("step_2/optim/") and f.endswith(".pt") and ".pt." not in f)
-    assert optim == [f"step_2/optim/dp_rank_{d:02d}_tp_rank_00_pp_rank_00.pt" for d in range(4)]
+    per_rank = run_ranks(_zero1_rank, 4, root, timeout=180)
+    # model (up, down, bias, steps_seen) once for the 4 DP replicas; ZeRO-1 optimizer: one shard per DP
+    # rank, each with step, exp_avg, exp_avg_sq and a master weight for 3 parameters
+    shards = [("model", 0, 4)] + [("optim", d, 12) for d in range(4)]
+    want = {"newest", "step_2/checkpoint", "step_2/done", "step_2/manifest.json"}
+    for folder, d, n in shards:
+        base = f"step_2/{folder}/dp_rank_{d:02d}_tp_rank_00_pp_rank_00.pt"
+        want |= {base, base + ".info.pt"} | {f"{base}.tensors/tensor_{i}.pt" for i in range(n)}
+    assert all_files(root) == want
+    _written_once(per_rank)
     import xser
 
     full_up = None
@@ -199,17 +214,29 @@ def _ep_rank(rank, world, root):
     ep_rank = ps.get_expert_model_parallel_rank()
     model = TinyShard(seed_offset=ep_rank).to(dev)
     model.up.expert_model_parallel = True
-    nxd_ckpt.save_checkpoint(root, "step_2", model=model)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    train_steps(model, opt, 1, seed=2, dp_rank=ep_rank)   # replicas of an EP shard train alike
+    written = _count_writes()
+    nxd_ckpt.save_checkpoint(root, "step_2", model=model, optimizer=opt)
     fresh = TinyShard(seed_offset=99).to(dev)
-    nxd_ckpt.load_checkpoint(root, model=fresh)
-    assert_bit_equal(to_cpu_state(model.state_dict()), to_cpu_state(fresh.state_dict()))
-    return True
+    fresh_opt = torch.optim.Adam(fresh.parameters(), lr=0.5)
+    nxd_ckpt.load_checkpoint(root, model=fresh, optimizer=fresh_opt)
+    assert_bit_equal(to_cpu_state(model.state_dict()), to_cpu_state(fresh.state_dict()), "model")
+    assert_bit_equal(to_cpu_state(opt.state_dict()), to_cpu_state(fresh_opt.state_dict()), "optim")
+    return list(written)
 
 
 def test_expert_parallel_names(tmp_path):
     root = str(tmp_path / "ckpt")
-    run_ranks(_ep_rank, 4, root, timeout=180)
+    per_rank = run_ranks(_ep_rank, 4, root, timeout=180)
     files = all_files(root)
+    want = {"newest", "step_2/checkpoint", "step_2/done", "step_2/manifest.json"}
+    for folder, n in (("model", 4), ("optim", 9)):
+        for e in range(2):
+            base = f"step_2/{folder}/dp_rank_00_ep_rank_{e:02d}_tp_rank_00_pp_rank_00.pt"
+            want |= {base, base + ".info.pt"} | {f"{base}.tensors/tensor_{i}.pt" for i in range(n)}
+    assert files == want
+    _written_once(per_rank)
     refs = sorted(f for f in files if f.startswith("step_2/model/") and f.endswith(".pt") and ".pt." not in f)
     assert refs == [f"step_2/model/dp_rank_00_ep_rank_{e:02d}_tp_rank_00_pp_rank_00.pt" for e in range(2)]
     info = torch.load(os.path.join(root, refs[0] + ".info.pt"), weights_only=True)

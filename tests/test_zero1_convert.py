@@ -226,14 +226,19 @@ def test_output_equals_input_refused_also_via_symlink(tmp_path, capsys):
     assert sorted(os.listdir(os.path.join(src, "optim"))) == before and verify_tag(src).ok
 
 
-def test_corrupt_tensor_file(tmp_path, capsys):
+@pytest.mark.parametrize("tid", [0, 1], ids=["copied-step-of-dp1", "sharded-state"])
+def test_corrupt_tensor_file(tmp_path, capsys, tid):
     src, _ = zero1_tag(str(tmp_path), "t", dp=2)
-    victim = os.path.join(src, "optim", layout.shard_filename(1, 0, 0) + ".tensors", "tensor_1.pt")
+    import xser
+
+    refs = xser.load_refs(os.path.join(src, "optim", layout.shard_filename(1, 0, 0)))
+    assert refs["base_state"][0]["step"].tid == 0, "tensor_0 should be a copied entry (Adam's step)"
+    victim = os.path.join(src, "optim", layout.shard_filename(1, 0, 0) + ".tensors", f"tensor_{tid}.pt")
     data = bytearray(open(victim, "rb").read())
     data[len(data) // 2] ^= 0x10
     open(victim, "wb").write(bytes(data))
     _fails(capsys, ["--input_dir", src, "--output_dir", str(tmp_path / "o"), "--convert_to_full"],
-           "tensor_1.pt", "checksum")
+           f"tensor_{tid}.pt", "checksum")
     assert not os.path.exists(tmp_path / "o") and not os.path.exists(str(tmp_path / "o") + ".nxdtmp")
     # without a manifest (NxD): a truncated tensor file fails to open, named
     src2, _ = zero1_tag(str(tmp_path / "nxd"), "t", dp=2, manifest=False)
@@ -250,6 +255,8 @@ def test_usage_errors(tmp_path, capsys):
     _fails(capsys, ["--input_dir", src, "--output_dir", out], "one of the arguments", code=2)
     _fails(capsys, ["--input_dir", src, "--output_dir", out, "--convert_to_sharded"], "--dp_size")
     _fails(capsys, ["--input_dir", src, "--output_dir", out, "--convert_to_sharded", "--dp_size", "0"], "--dp_size")
+    _fails(capsys, ["--input_dir", src, "--output_dir", out, "--convert_to_full", "--dp_size", "3"],
+           "--convert_to_full merges every DP shard, so --dp_size 3 has no meaning")
     assert convert_zero1_main(["--input_dir", src, "--output_dir", out, "--convert_to_full", "--nope"]) == 2
     assert "nxd_convert_zero_checkpoints: error: unrecognized arguments" in capsys.readouterr().err
     assert not os.path.exists(out)
