@@ -244,11 +244,20 @@ def arm(phase: str, rank: int, victim: bool, everyone: bool, second: str = SECON
     elif phase == "newest":
         set_write_hook(lambda rel: die() if rel == "newest" else None)
     elif phase == "retention":
-        def delete_then_die(storage, name):
-            storage.remove_file(f"{name}/done")
-            die()
+        # the real delete_tag runs (done, manifest, rename to .nxdold) and dies while removing the files
+        from nxd_ckpt.storage.local import LocalStorage
 
-        nxd_ckpt.commit.delete_tag = delete_then_die
+        original_remove_tree = LocalStorage.remove_tree
+
+        def remove_some_then_die(self, relpath):
+            path = self.path(relpath)
+            if relpath.endswith(".nxdold") and os.path.isdir(path):
+                victim = next(os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs)
+                os.unlink(victim)
+                die()
+            original_remove_tree(self, relpath)
+
+        LocalStorage.remove_tree = remove_some_then_die
     else:
         raise ValueError(f"unknown phase {phase!r}")
 

@@ -145,3 +145,24 @@ def test_usage(tmp_path, capsys):
     assert "no checkpoint tags" in capsys.readouterr().err
     assert main(["verify"]) == 2
     assert main(["verify", str(tmp_path), "--frobnicate"]) == 2
+
+
+def test_progress_bar_counts_every_byte(ours, capsys, monkeypatch):
+    import tqdm
+
+    bars = []
+
+    class Recording(tqdm.tqdm):
+        def close(self):
+            if not getattr(self, "recorded", False):      # tqdm may close twice (explicitly, then on delete)
+                self.recorded = True
+                bars.append((self.desc, self.n, self.total))
+            super().close()
+
+    monkeypatch.setattr(tqdm, "tqdm", Recording)
+    res = verify_tag(ours, workers=2, progress=True)
+    assert res.ok and res.files_checked == 10
+    assert bars == [("verify step_1", res.bytes_checked, res.bytes_checked)]
+    assert "verify step_1" in capsys.readouterr().err                    # drawn on stderr
+    verify_tag(ours, workers=2, progress=False)
+    assert len(bars) == 1 and capsys.readouterr().err == ""              # and absent when not asked

@@ -66,10 +66,11 @@ def test_sigkill_during_async_save(tmp_path, phase, who):
     assert not os.path.exists(os.path.join(root, cw.SECOND, "done")) or cw.SECOND in complete_after
     if phase == "newest":   # committed, but the pointer still names FIRST: loading must not trust it
         assert open(os.path.join(root, "newest")).read() == cw.FIRST
-    if phase == "retention":  # FIRST lost `done` and then its deleter died: it must never look complete
-        assert os.path.isdir(os.path.join(root, cw.FIRST))
-        assert not os.path.exists(os.path.join(root, cw.FIRST, "done"))
-        with pytest.raises(nxd_ckpt.IncompleteCheckpointError, match="no 'done' marker"):
+    if phase == "retention":  # FIRST's deleter died half-way: what is left must never look like a checkpoint
+        doomed = os.path.join(root, cw.FIRST + ".nxdold")
+        assert os.path.isdir(doomed) and not os.path.exists(os.path.join(root, cw.FIRST))
+        assert not os.path.exists(os.path.join(doomed, "done")) and not os.path.exists(os.path.join(doomed, "manifest.json"))
+        with pytest.raises(nxd_ckpt.CheckpointNotFoundError, match=f"no checkpoint '{cw.FIRST}'"):
             nxd_ckpt.load_checkpoint(root, tag=cw.FIRST, model={})
 
     # --- job 2: new processes resume bit for bit from the newest complete tag, then save --------------
