@@ -10,7 +10,7 @@ from . import commit
 from .capture import build_plan, validate_save_args
 from .engine import get_engine
 from .errors import CheckpointArgumentError, CheckpointNotFoundError, CorruptCheckpointError
-from .loader import (agree, apply_ignore_keys, apply_model, apply_optimizer, candidate_tags, check_model,
+from .loader import (agree, agreed_candidates, apply_ignore_keys, apply_model, apply_optimizer, check_model,
                      check_optimizer, copies_every_tensor, read_tag)
 from .storage import open_storage
 from .world import current_world
@@ -92,13 +92,8 @@ def load_checkpoint(path, tag=None, model=None, optimizer=None, scheduler=None, 
         raise CheckpointArgumentError(f"num_workers must be a positive int, got {num_workers!r}")
     if not os.path.isdir(os.fspath(path)):
         raise CheckpointNotFoundError(f"checkpoint directory {os.fspath(path)!r} does not exist")
-    try:
-        tags = candidate_tags(open_storage(path), tag)
-    except ValueError as exc:
-        if isinstance(exc, CheckpointArgumentError):
-            raise
-        raise CheckpointArgumentError(str(exc)) from None
     storage = open_storage(path)
+    tags = agreed_candidates(storage, tag)
     world = current_world()
     engine = get_engine()
     last_error = None

@@ -37,7 +37,7 @@ def prepare_staging(storage: Storage, tag: str, busy: Iterable[str] = ()) -> Non
     staging = staging_name(tag)
     repair_interrupted(storage, busy)
     if storage.exists(staging):
-        storage.remove_tree(staging)
+        delete_tag(storage, staging)
     storage.makedirs(staging)
     storage.write_file(f"{staging}/{layout.CHECKPOINT_MARKER}", lambda f: f.write(b"1"))
 
@@ -82,12 +82,15 @@ def _replace_tag(storage: Storage, staging: str, tag: str) -> None:
     Elsewhere the old version is moved aside first; a crash between the two renames leaves both versions
     complete under their suffixed names, which ``recoverable_tags`` finds and ``repair_interrupted``
     renames back."""
+    # The replaced version is removed `done` first (delete_tag), so it can never pass for a committed
+    # publish that recoverable_tags would restore.
     if storage.exchange(staging, tag):
         storage.sync_dirs([""])
-        storage.remove_tree(staging)
+        delete_tag(storage, staging)
         return
     old = f"{tag}{OLD_SUFFIX}"
-    storage.remove_tree(old)
+    if storage.exists(old):
+        delete_tag(storage, old)
     storage.rename(tag, old)
     try:
         storage.rename(staging, tag)
@@ -95,7 +98,7 @@ def _replace_tag(storage: Storage, staging: str, tag: str) -> None:
         storage.rename(old, tag)   # put the previous version back
         raise
     storage.sync_dirs([""])
-    storage.remove_tree(old)
+    delete_tag(storage, old)
 
 
 def recoverable_tags(storage: Storage, busy: Iterable[str] = ()) -> Dict[str, str]:
@@ -299,12 +302,9 @@ def apply_retention(storage: Storage, num_kept: Optional[int], protected: Iterab
     busy: Set[str] = set(in_flight) | {staging_name(t) for t in in_flight}
     tags = scan_tags(storage)
     complete = [t.tag for t in tags if t.complete]
+    # Debris goes first: were a crash to stop retention after a tag went but before the debris did, a
+    # leftover could otherwise outlive the tag it belongs to.
     doomed: List[str] = []
-    if num_kept is not None and num_kept != -1:
-        keep = set(complete[: max(1, num_kept)])
-        doomed += [t for t in complete if t not in keep and t not in protected]
-    doomed += [t.tag for t in tags if not t.complete and t.tag not in busy and t.tag not in protected]
-    doomed = [t for t in doomed if _is_tag_dir(storage, t)]
     for name in storage.listdir(""):
         if not _is_special(name) or name in busy or name in protected:
             continue
@@ -312,6 +312,11 @@ def apply_retention(storage: Storage, num_kept: Optional[int], protected: Iterab
             doomed.append(name)
         elif name.endswith(layout.TMP_SUFFIX):
             storage.remove_file(name)   # e.g. `newest.nxdtmp` of a crash while replacing `newest`
+    if num_kept is not None and num_kept != -1:
+        keep = set(complete[: max(1, num_kept)])
+        doomed += [t for t in complete if t not in keep and t not in protected]
+    doomed += [t.tag for t in tags if not t.complete and t.tag not in busy and t.tag not in protected]
+    doomed = [t for t in doomed if _is_special(t) or _is_tag_dir(storage, t)]
     for name in doomed:
         log.info("nxd_ckpt: retention removes %s", name)
         delete_tag(storage, name)

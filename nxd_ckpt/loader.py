@@ -111,21 +111,49 @@ def check_topology(tag: str, saved: dict, world: World, loading_optim: bool) -> 
 def agree(error: Optional[BaseException]) -> None:
     """Every rank: exchange this rank's error (or None) over the host group; if any rank failed, raise
     on every rank -- this rank's own error, or the first failing rank's, re-created with its class."""
-    status = None if error is None else (type(error).__name__, str(error), getattr(error, "path", None),
-                                         getattr(error, "expected", None), getattr(error, "found", None))
-    statuses = hostgroups.all_gather_objects(status)
+    statuses = hostgroups.all_gather_objects(_status(error))
     bad = [(r, s) for r, s in enumerate(statuses) if s is not None]
     if not bad:
         return
     if error is not None:
         raise error
-    r, (cls_name, msg, path, expected, found) = bad[0]
+    raise _recreate(*bad[0])
+
+
+def _status(error: Optional[BaseException]):
+    """What travels between ranks of an error (None: no error)."""
+    if error is None:
+        return None
+    return (type(error).__name__, str(error), getattr(error, "path", None), getattr(error, "expected", None),
+            getattr(error, "found", None))
+
+
+def _recreate(rank: int, status) -> errors.CheckpointError:
+    """Another rank's error, re-created here with its class (CheckpointError when it is not one of ours)."""
+    cls_name, msg, path, expected, found = status
     cls = getattr(errors, cls_name, None)
     if not (isinstance(cls, type) and issubclass(cls, errors.CheckpointError)):
         cls = errors.CheckpointError
     if cls is CorruptCheckpointError:
-        raise CorruptCheckpointError(f"rank {r}: {msg}", path=path, expected=expected, found=found)
-    raise cls(f"rank {r}: {msg}")
+        return CorruptCheckpointError(f"rank {rank}: {msg}", path=path, expected=expected, found=found)
+    return cls(f"rank {rank}: {msg}")
+
+
+def agreed_candidates(storage: Storage, tag) -> List[str]:
+    """Every rank: the directories to try, as rank 0 sees them (a save committing meanwhile must not make
+    ranks pick different tags), or rank 0's error raised on every rank."""
+    try:
+        mine, error = candidate_tags(storage, tag), None
+    except ValueError as exc:   # a bad tag
+        mine, error = None, exc if isinstance(exc, errors.CheckpointError) else errors.CheckpointArgumentError(str(exc))
+    except errors.CheckpointError as exc:
+        mine, error = None, exc
+    first_tags, first_status = hostgroups.all_gather_objects((mine, _status(error)))[0]
+    if first_status is None:
+        return first_tags
+    if error is not None and type(error).__name__ == first_status[0]:
+        raise error
+    raise _recreate(0, first_status)
 
 
 def _manifest_of(storage: Storage, tag: str) -> Optional[dict]:
@@ -230,9 +258,17 @@ def _require(reader: FileReader, rel: str, what: str) -> None:
                 f"checkpoint {reader.tag!r} holds a merged (full) ZeRO-1 optimizer state, as `nxd-ckpt convert-zero1 "
                 "--convert_to_full` writes it; shard it for this job first: `nxd-ckpt convert-zero1 --input_dir "
                 f"<dir>/{reader.tag} --output_dir <dir>/<new_tag> --convert_to_sharded --dp_size <DP>`")
-        # Without a manifest, damage shows as a hole: NxD creates model/ (optim/) only to fill it, and the
-        # topology just checked says this rank's shard belongs there.
-        if reader.manifest is None and reader.storage.isdir(folder):
+        if what == "optimizer" and any(n.endswith((".distcp", ".metadata")) for n in names):
+            raise StateMismatchError(
+                f"checkpoint {reader.tag!r} holds its optimizer state as a torch.distributed.checkpoint (NxD's "
+                "use_zero1_dcp=True), which nxd-ckpt does not read; load it with neuronx-distributed, or call "
+                "load_checkpoint without optimizer= to load the model")
+        # Without a manifest, damage shows as a hole: sibling shards (whose names also fixed the topology
+        # just checked), this shard's own tensor files, or a folder NxD created and left empty.
+        siblings = any(layout.parse_shard_filename(n) is not None for n in names)
+        own_files = reader.exists(layout.info_path(rel)) or reader.storage.isdir(
+            f"{reader.tag}/{layout.tensors_dir(rel)}")
+        if reader.manifest is None and (siblings or own_files or (reader.storage.isdir(folder) and not names)):
             full = f"{reader.tag}/{rel}"
             raise CorruptCheckpointError(
                 f"checkpoint {reader.tag!r} is marked complete but {full} is missing (its folder is there); "
@@ -307,8 +343,10 @@ def check_model(model, sd: dict, strict: bool, patterns: List[str]) -> None:
     state and then fail; under strict for a dict)."""
     if isinstance(model, torch.nn.Module):
         targets = model.state_dict()
+        shapes = _shapes_load_state_dict_enforces(model)
     elif isinstance(model, dict) and model:
         targets = model
+        shapes = {k: tuple(v.shape) for k, v in model.items() if isinstance(v, torch.Tensor)}
     else:
         return
     if strict:
@@ -322,15 +360,35 @@ def check_model(model, sd: dict, strict: bool, patterns: List[str]) -> None:
                 "Pass strict=False to load the overlap, or ignore_keys=['model/<pattern>'] to skip keys.")
     if isinstance(model, dict) and not strict:
         return
-    wrong = [f"{k}: checkpoint {tuple(v.shape)}, model {tuple(targets[k].shape)}" for k, v in sorted(sd.items())
-             if isinstance(v, torch.Tensor) and isinstance(targets.get(k), torch.Tensor)
-             and tuple(v.shape) != tuple(targets[k].shape)]
+    wrong = [f"{k}: checkpoint {tuple(v.shape)}, model {shapes[k]}" for k, v in sorted(sd.items())
+             if isinstance(v, torch.Tensor) and k in shapes and tuple(v.shape) != shapes[k]
+             and not (shapes[k] == () and tuple(v.shape) == (1,))]   # torch loads (1,) into 0-d
     if wrong:
         shown = "; ".join(wrong[:10]) + (f"; and {len(wrong) - 10} more" if len(wrong) > 10 else "")
         raise StateMismatchError(
             f"the checkpoint's tensor shapes do not match the model for {len(wrong)} key(s): {shown}. Build the "
             "model with the sizes (and TP degree) it was saved with, or pass ignore_keys=['model/<key>'] to skip "
             "those keys.")
+
+
+def _shapes_load_state_dict_enforces(model: torch.nn.Module) -> Dict[str, tuple]:
+    """key -> shape of every parameter and persistent buffer whose size nn.Module's own loading insists
+    on: not lazy (uninitialized), and owned by a module that does not override _load_from_state_dict
+    (observers and fake-quantizers resize theirs on load; batch norm's override keeps the checks)."""
+    from torch.nn.parameter import is_lazy
+
+    out: Dict[str, tuple] = {}
+    for prefix, module in model.named_modules():
+        if (type(module)._load_from_state_dict is not torch.nn.Module._load_from_state_dict
+                and not isinstance(module, torch.nn.modules.batchnorm._NormBase)):   # BN only adds the 0-d rule
+            continue
+        tensors = list(module.named_parameters(recurse=False)) + [
+            (n, b) for n, b in module.named_buffers(recurse=False)
+            if n not in module._non_persistent_buffers_set]
+        for name, t in tensors:
+            if t is not None and not is_lazy(t):
+                out[f"{prefix}.{name}" if prefix else name] = tuple(t.shape)
+    return out
 
 
 def is_zero1_target(optimizer) -> bool:

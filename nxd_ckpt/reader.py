@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import logging
 import os
+import warnings
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -239,7 +240,9 @@ def _share_raw(shard: ShardRead, group) -> None:
     size = torch.tensor([len(shard.raw) if shard.raw is not None else 0], dtype=torch.int64)
     hostgroups.broadcast_tensor(size, shard.raw_owner, group)
     if shard.raw is not None:
-        body = torch.frombuffer(bytearray(shard.raw), dtype=torch.uint8)
+        with warnings.catch_warnings():   # the bytes are only sent, never written: no copy needed
+            warnings.filterwarnings("ignore", message="The given buffer is not writable")
+            body = torch.frombuffer(shard.raw, dtype=torch.uint8) if shard.raw else torch.empty(0, dtype=torch.uint8)
         shard.raw = None
     else:
         body = torch.empty(int(size.item()), dtype=torch.uint8)

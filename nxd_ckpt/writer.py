@@ -178,7 +178,7 @@ def _prepare(job: SaveJob, staging: str, runner: SaveRunner) -> None:
     coord = job.coordinator
     if job.rank == 0:
         try:
-            commit.prepare_staging(job.storage, job.tag, [t for t in job.in_flight() if t != job.tag])
+            commit.prepare_staging(job.storage, job.tag, [t for t in job.in_flight() + list(job.protected()) if t != job.tag])
             coord.publish("prepared", {"ok": True})
         except Exception as exc:  # noqa: BLE001
             error = _describe(exc, 0)
@@ -348,6 +348,6 @@ def _commit_as_root(job: SaveJob, own_report: dict) -> dict:
 def _remove_quietly(storage: Storage, relpath: str) -> None:
     try:
         if storage.exists(relpath):
-            storage.remove_tree(relpath)
+            commit.delete_tag(storage, relpath)   # `done` first: a half-removed staging never looks committed
     except Exception as exc:  # noqa: BLE001 - debris; the next successful save's retention removes it
         log.warning("nxd_ckpt: could not remove %s: %s", relpath, exc)

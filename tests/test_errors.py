@@ -124,6 +124,27 @@ def test_shape_mismatch_is_named_and_changes_nothing(saved):
     assert target.bias.shape == (5,)
 
 
+def test_shape_check_follows_what_load_state_dict_accepts():
+    """Only the shapes nn.Module's loading insists on are checked: not lazy parameters, not modules that
+    resize their own state on load (fake-quantizers), not the (1,) -> 0-d case torch accepts."""
+    from torch.ao.quantization import FakeQuantize
+
+    from nxd_ckpt.loader import check_model
+
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4), FakeQuantize())
+    sd = dict(model.state_dict())
+    sd["2.scale"] = torch.ones(5)                                         # a per-channel qparam, resized on load
+    sd["1.num_batches_tracked"] = torch.zeros(1, dtype=torch.long)        # old checkpoints: (1,) into 0-d
+    check_model(model, sd, True, [])
+    model.load_state_dict(sd)                                             # torch agrees
+    check_model(torch.nn.Sequential(torch.nn.LazyLinear(4)), {"0.weight": torch.ones(4, 3), "0.bias": torch.ones(4)},
+                True, [])
+    for key, bad in (("0.weight", torch.ones(5, 3)), ("1.running_mean", torch.ones(3))):
+        with pytest.raises(nxd_ckpt.StateMismatchError) as e:
+            check_model(model, dict(sd, **{key: bad}), False, [])
+        assert f"{key}: checkpoint {tuple(bad.shape)}" in str(e.value)
+
+
 def test_a_dict_model_is_checked_under_strict(saved):
     root, model, _ = saved
     target = {"up": torch.zeros(8, 8), "extra": torch.zeros(1)}

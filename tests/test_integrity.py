@@ -320,3 +320,47 @@ def test_damage_read_by_one_replica_raises_on_both(tmp_path):
     for _, state in results:                                                  # tag=None: 'a', bit for bit
         assert_bit_equal(states["a"]["model"], state["model"], "model")
         assert_bit_equal(states["a"]["optim"], state["optim"], "optim")
+
+
+def test_nxd_dcp_optimizer_is_named_not_taken_for_damage(tmp_path):
+    """NxD's use_zero1_dcp=True writes optim/ as a torch.distributed.checkpoint: a clear refusal, never a
+    silent fall-back to an older tag as if this one were damaged."""
+    import nxd_ckpt
+
+    root = str(tmp_path / "nxd")
+    model, opt, sched = _objects()
+    for step in (1, 2):
+        path = _nxd_tag(root, f"nxd_{step}", model, opt, sched, {"step": step})
+        os.utime(os.path.join(path, "done"), (1000.0 * step, 1000.0 * step))
+    optim = os.path.join(root, "nxd_2", "optim")
+    shutil.rmtree(optim)
+    os.makedirs(optim)
+    for name in (".metadata", "__0_0.distcp"):
+        open(os.path.join(optim, name), "wb").write(b"x")
+    for tag in ("nxd_2", None):
+        with pytest.raises(nxd_ckpt.StateMismatchError, match="torch.distributed.checkpoint .*use_zero1_dcp"):
+            nxd_ckpt.load_checkpoint(root, tag=tag, model=model, optimizer=opt)
+    assert nxd_ckpt.load_checkpoint(root, tag=None, model=model) == {"step": 2}     # the model alone loads
+
+
+def _load_with_a_late_view_on_rank1(rank, world, root):
+    import nxd_ckpt
+    import parallel_state as ps
+    from nxd_ckpt import loader
+
+    ps.initialize_model_parallel(tensor_model_parallel_size=1)
+    if rank == 1:   # as if rank 1 had listed the directory before 'b' was committed
+        loader.candidate_tags = lambda storage, tag: ["a"]
+    model, opt, sched = _objects(seed_offset=5)
+    nxd_ckpt.load_checkpoint(root, model=model, optimizer=opt, scheduler=sched)
+    return _state(model, opt, sched)
+
+
+def test_every_rank_loads_the_tags_rank_0_chose(tmp_path):
+    from harness import run_ranks
+
+    root = str(tmp_path / "ckpt")
+    states = run_ranks(_save_two_dp2, 2, root, timeout=120)[0]
+    for state in run_ranks(_load_with_a_late_view_on_rank1, 2, root, timeout=120):
+        assert_bit_equal(states["b"]["model"], state["model"], "model")
+        assert_bit_equal(states["b"]["optim"], state["optim"], "optim")

@@ -112,3 +112,34 @@ def test_debris_of_a_delete_is_never_taken_for_a_checkpoint(tmp_path):
         _loaded(root, "x")
     _save(root, "b", 3)
     assert sorted(os.listdir(root)) == ["a", "b", "newest"]
+
+
+def test_a_replaced_version_half_removed_is_never_restored(tmp_path, monkeypatch):
+    """The version a re-save replaced is removed `done` first: if that removal dies half-way and the tag
+    is later deleted, what is left is debris, not a checkpoint to bring back."""
+    import shutil
+
+    import nxd_ckpt
+    from nxd_ckpt import commit
+    from nxd_ckpt.storage.local import LocalStorage
+
+    root = str(tmp_path / "ckpt")
+    _save(root, "a", 1)
+    _save(root, "x", 2)
+    original = LocalStorage.remove_tree
+
+    def dies_half_way(self, relpath):
+        if relpath == "x.nxdtmp":
+            shutil.rmtree(os.path.join(self.path(relpath), "model"))
+            raise KeyboardInterrupt("killed while removing the replaced version")
+        original(self, relpath)
+
+    monkeypatch.setattr(LocalStorage, "remove_tree", dies_half_way)
+    with pytest.raises(KeyboardInterrupt):
+        _save(root, "x", 3)
+    monkeypatch.setattr(LocalStorage, "remove_tree", original)
+    assert not os.path.exists(os.path.join(root, "x.nxdtmp", "done"))
+    commit.delete_tag(LocalStorage(root), "x")            # e.g. retention, or by hand
+    assert nxd_ckpt.list_checkpoints(root) == ["a"]
+    _save(root, "b", 4)
+    assert sorted(os.listdir(root)) == ["a", "b", "newest"]
