@@ -61,7 +61,8 @@ def last_line(path: str, limit: int = 100) -> str:
     """The last non-empty line a child has written so far (shortened), for the heartbeat."""
     with open(path, "rb") as f:
         f.seek(max(0, os.path.getsize(path) - 4096))
-        lines = [ln for ln in f.read().decode(errors="replace").splitlines() if ln.strip()]
+        lines = [ln for ln in f.read().decode(errors="replace").splitlines()
+                 if ln.strip() and not ln.startswith("[Gloo]")]   # gloo's connection chatter says nothing
     text = lines[-1].strip() if lines else "(none yet)"
     return text if len(text) <= limit else text[: limit - 3] + "..."
 

@@ -229,25 +229,70 @@ class Block(torch.nn.Module):
         return x + self.down(F.gelu(self.up(self.ln2(x))))
 
 
+class PP:
+    """This rank's pipeline stage and its neighbours' global ranks (activations go over the host)."""
+    rank = 0
+    size = 1
+    prev = None
+    next = None
+
+
 class TinyLM(torch.nn.Module):
+    """The whole LM at PP=1; at PP>1 this stage's part: the embeddings on the first stage, a contiguous run
+    of blocks on each, the final norm and LM head on the last. Keys keep the full model's names (block i is
+    ``blocks.i`` on whichever stage holds it), so stages merge back into one state dict."""
+
     def __init__(self, cfg, device):
         super().__init__()
-        gen = torch.Generator().manual_seed(cfg.seed)   # full weights from one seed: same model for any TP
+        gen = torch.Generator().manual_seed(cfg.seed)   # full weights from one seed: same model for any TP/PP
         h = cfg.hidden
-        self.embed = _param(torch.randn(cfg.vocab, h, generator=gen) * 0.02, device)
-        self.pos = _param(torch.randn(cfg.seq_len, h, generator=gen) * 0.02, device)
-        self.blocks = torch.nn.ModuleList(Block(cfg, gen, device) for _ in range(cfg.layers))
-        self.ln_f = LayerNorm(h, device)
-        self.lm_head = ColumnParallelLinear(h, cfg.vocab, gen, device, gather_output=True, bias=False)
+        embed = _param(torch.randn(cfg.vocab, h, generator=gen) * 0.02, device)
+        pos = _param(torch.randn(cfg.seq_len, h, generator=gen) * 0.02, device)
+        blocks = [Block(cfg, gen, device) for _ in range(cfg.layers)]
+        ln_f = LayerNorm(h, device)
+        lm_head = ColumnParallelLinear(h, cfg.vocab, gen, device, gather_output=True, bias=False)
+        per = cfg.layers // PP.size
+        self.first, self.last = PP.rank == 0, PP.rank == PP.size - 1
+        if self.first:
+            self.embed, self.pos = embed, pos
+        self.blocks = torch.nn.ModuleDict({str(i): blocks[i] for i in range(PP.rank * per, (PP.rank + 1) * per)})
+        if self.last:
+            self.ln_f, self.lm_head = ln_f, lm_head
         t = cfg.seq_len
         self.register_buffer("mask", torch.full((t, t), float("-inf")).triu(1).to(device), persistent=False)
 
-    def forward(self, tokens):
-        t = tokens.shape[1]
-        x = F.embedding(tokens, self.embed) + self.pos[:t]
-        for blk in self.blocks:
+    def forward(self, x):
+        """First stage: token ids in; last stage: logits out; in between: activations."""
+        t = x.shape[1]
+        if self.first:
+            x = F.embedding(x, self.embed) + self.pos[:t]
+        for blk in self.blocks.values():
             x = blk(x, self.mask[:t, :t])
-        return self.lm_head(self.ln_f(x))
+        return self.lm_head(self.ln_f(x)) if self.last else x
+
+
+def pipeline_step(model, tokens, targets, vocab, hidden, device):
+    """Forward and backward of one batch through the pipeline (one micro-batch: no overlap between stages,
+    which keeps it short and deterministic). Returns the loss on the last stage, else None."""
+    if model.first:
+        x_in = tokens
+    else:
+        h = torch.empty(tokens.shape[0], tokens.shape[1], hidden)
+        dist.recv(h, src=PP.prev)
+        x_in = h.to(device).requires_grad_(True)
+    out = model(x_in)
+    loss = None
+    if model.last:
+        loss = F.cross_entropy(out.reshape(-1, vocab), targets.reshape(-1))
+        loss.backward()
+    else:
+        dist.send(out.detach().cpu().contiguous(), dst=PP.next)
+        g = torch.empty(out.shape)
+        dist.recv(g, src=PP.next)
+        out.backward(g.to(device))
+    if not model.first:
+        dist.send(x_in.grad.detach().cpu().contiguous(), dst=PP.prev)
+    return loss
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -372,8 +417,8 @@ def gather_save_stats(nxd_ckpt):
 # ---------------------------------------------------------------------------------------------------------
 def main(argv=None):
     args = parse_args(argv)
-    if args.pp != 1:
-        sys.exit("train_demo.py: pipeline parallelism is not implemented by this demo model; use --pp 1")
+    if args.pp < 1 or args.layers % args.pp:
+        sys.exit(f"train_demo.py: --pp {args.pp} must be >= 1 and divide --layers {args.layers}")
     torch.set_num_threads(1)
     if not dist.is_initialized():   # torchrun sets the env; a test harness may have initialized it already
         dist.init_process_group("gloo")
@@ -385,14 +430,18 @@ def main(argv=None):
 
     wall0 = time.monotonic()
     rank, world = dist.get_rank(), dist.get_world_size()
-    if world % args.tp:
-        sys.exit(f"train_demo.py: --tp {args.tp} does not divide the world size {world}")
+    if world % (args.tp * args.pp):
+        sys.exit(f"train_demo.py: --tp {args.tp} x --pp {args.pp} does not divide the world size {world}")
     if args.dp is not None and args.dp * args.tp * args.pp != world:
         sys.exit(f"train_demo.py: --dp {args.dp} x --tp {args.tp} x --pp {args.pp} must equal the world size {world}; "
                  f"use --dp {world // (args.tp * args.pp)} or launch {args.dp * args.tp * args.pp} ranks")
     ps.initialize_model_parallel(tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp)
     TP.group, TP.size, TP.rank = (ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_size(),
                                   ps.get_tensor_model_parallel_rank())
+    PP.rank, PP.size = ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_size()
+    stage_ranks = next(g for g in ps.get_pipeline_model_parallel_replica_groups() if rank in g)
+    PP.prev = stage_ranks[PP.rank - 1] if PP.rank > 0 else None
+    PP.next = stage_ranks[PP.rank + 1] if PP.rank < PP.size - 1 else None
     dp_rank, dp_size, dp_group = ps.get_data_parallel_rank(), ps.get_data_parallel_size(), ps.get_data_parallel_host_group()
     if args.global_batch % dp_size:
         sys.exit(f"train_demo.py: --global-batch {args.global_batch} does not split over DP={dp_size}")
@@ -420,9 +469,9 @@ def main(argv=None):
         start_step, data_pos = int(uc["step"]), int(uc["data_pos"])
         resumed_from = uc.get("tag", resumed_from)
         say(f"resumed from {resumed_from} (step {start_step}, data position {data_pos}) in "
-            f"{time.monotonic() - t0:.2f}s; TP={TP.size} DP={dp_size} (saved with DP={uc.get('dp_size')})")
+            f"{time.monotonic() - t0:.2f}s; TP={TP.size} PP={PP.size} DP={dp_size} (saved with DP={uc.get('dp_size')})")
     else:
-        say(f"starting from scratch; TP={TP.size} DP={dp_size} world={world} zero1={args.zero1}")
+        say(f"starting from scratch; TP={TP.size} PP={PP.size} DP={dp_size} world={world} zero1={args.zero1}")
 
     if args.crash_at_step is not None:
         from nxd_ckpt.commit import STAGING_SUFFIX
@@ -436,7 +485,7 @@ def main(argv=None):
 
         set_write_hook(slow_writes)
 
-    report = {"config": {k: v for k, v in vars(args).items()}, "world_size": world, "tp": TP.size, "dp": dp_size,
+    report = {"config": {k: v for k, v in vars(args).items()}, "world_size": world, "tp": TP.size, "pp": PP.size, "dp": dp_size,
               "resumed_from": resumed_from, "start_step": start_step + 1, "losses": {}, "step_s": {},
               "saves": [], "save_steps": [], "crashed_at": None, "final_checksum": None}
     report["config"]["async_save"] = args.async_save
@@ -450,9 +499,7 @@ def main(argv=None):
         batch = stream.batch(data_pos + dp_rank * local_batch, local_batch)
         data_pos += args.global_batch
         tokens, targets = batch[:, :-1].to(device), batch[:, 1:].to(device)
-        logits = model(tokens)
-        loss = F.cross_entropy(logits.reshape(-1, args.vocab), targets.reshape(-1))
-        loss.backward()
+        loss = pipeline_step(model, tokens, targets, args.vocab, args.hidden, device)
         torch_xla.sync()
         if not args.zero1 and dp_size > 1:   # DDP-style gradient averaging over the host DP group
             for p in params:
@@ -463,7 +510,9 @@ def main(argv=None):
         sched.step()
         opt.zero_grad()
         torch_xla.sync()
-        lval = loss.detach().cpu().reshape(1)
+        lval = loss.detach().cpu().reshape(1) if loss is not None else torch.zeros(1)
+        if PP.size > 1:   # the last stage's loss, to every stage (rank 0 reports it)
+            dist.all_reduce(lval, group=ps.get_pipeline_model_parallel_group())
         if dp_size > 1:
             dist.all_reduce(lval, group=dp_group)
             lval /= dp_size
