@@ -93,7 +93,7 @@ def load_checkpoint(path, tag=None, model=None, optimizer=None, scheduler=None, 
     if not os.path.isdir(os.fspath(path)):
         raise CheckpointNotFoundError(f"checkpoint directory {os.fspath(path)!r} does not exist")
     storage = open_storage(path)
-    tags = agreed_candidates(storage, tag)
+    tags = agreed_candidates(storage, tag, node_local)
     world = current_world()
     engine = get_engine()
     last_error = None

@@ -139,16 +139,21 @@ def _recreate(rank: int, status) -> errors.CheckpointError:
     return cls(f"rank {rank}: {msg}")
 
 
-def agreed_candidates(storage: Storage, tag) -> List[str]:
+def agreed_candidates(storage: Storage, tag, node_local: bool = False) -> List[str]:
     """Every rank: the directories to try, as rank 0 sees them (a save committing meanwhile must not make
-    ranks pick different tags), or rank 0's error raised on every rank."""
+    ranks pick different tags), or rank 0's error raised on every rank. ``node_local`` must be the same on
+    every rank (it decides who reads what)."""
     try:
         mine, error = candidate_tags(storage, tag), None
     except ValueError as exc:   # a bad tag
         mine, error = None, exc if isinstance(exc, errors.CheckpointError) else errors.CheckpointArgumentError(str(exc))
     except errors.CheckpointError as exc:
         mine, error = None, exc
-    first_tags, first_status = hostgroups.all_gather_objects((mine, _status(error)))[0]
+    gathered = hostgroups.all_gather_objects((mine, _status(error), bool(node_local)))
+    if len({g[2] for g in gathered}) > 1:
+        raise errors.CheckpointArgumentError(
+            f"node_local differs between ranks ({[g[2] for g in gathered]} by rank); pass the same value on every rank")
+    first_tags, first_status, _ = gathered[0]
     if first_status is None:
         return first_tags
     if error is not None and type(error).__name__ == first_status[0]:

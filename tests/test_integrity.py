@@ -364,3 +364,24 @@ def test_every_rank_loads_the_tags_rank_0_chose(tmp_path):
     for state in run_ranks(_load_with_a_late_view_on_rank1, 2, root, timeout=120):
         assert_bit_equal(states["b"]["model"], state["model"], "model")
         assert_bit_equal(states["b"]["optim"], state["optim"], "optim")
+
+
+def _load_with_node_local_on_rank1_only(rank, world, root):
+    import nxd_ckpt
+    import parallel_state as ps
+
+    ps.initialize_model_parallel(tensor_model_parallel_size=1)
+    model, opt, sched = _objects(seed_offset=5)
+    before = _state(model, opt, sched)
+    with pytest.raises(nxd_ckpt.CheckpointArgumentError, match=r"node_local differs between ranks \(\[False, True\]"):
+        nxd_ckpt.load_checkpoint(root, model=model, optimizer=opt, node_local=rank == 1)
+    _assert_state(before, model, opt, sched)
+    return True
+
+
+def test_node_local_must_agree(tmp_path):
+    from harness import run_ranks
+
+    root = str(tmp_path / "ckpt")
+    run_ranks(_save_two_dp2, 2, root, timeout=120)
+    assert run_ranks(_load_with_node_local_on_rank1_only, 2, root, timeout=120) == [True, True]
