@@ -177,34 +177,42 @@ def test_every_checkpoint_damaged(ckpt):
 
 
 # ---- checkpoints written by neuronx-distributed (no manifest) -----------------------------------------
-def _nxd_tag(root, tag, model, opt, sched, user):
-    """A tag as NxD writes it with xser: torch-xla's serialization.save (XLA tensors to tensor files, CPU
-    ones such as Adam's step inline), the `checkpoint` and `done` markers, no manifest."""
+def _nxd_tag(root, tag, model, opt, sched, user, use_xser=True):
+    """A tag as NxD writes it: with xser, torch-xla's serialization.save (XLA tensors to tensor files, CPU
+    ones such as Adam's step inline), else one torch.save per shard; the `checkpoint` and `done` markers,
+    no manifest."""
     import torch_xla.utils.serialization as xser_tx
 
     path = os.path.join(root, tag)
     os.makedirs(os.path.join(path, "model"))
     os.makedirs(os.path.join(path, "optim"))
     open(os.path.join(path, "checkpoint"), "w").write("1")
-    xser_tx.save(model.state_dict(), os.path.join(path, SHARD))
-    xser_tx.save(opt.state_dict(), os.path.join(path, OSHARD))
+    for sd, rel in ((model.state_dict(), SHARD), (opt.state_dict(), OSHARD)):
+        if use_xser:
+            xser_tx.save(sd, os.path.join(path, rel))
+        else:
+            torch.save(to_cpu_state(sd), os.path.join(path, rel))
     torch.save(sched.state_dict(), os.path.join(path, "scheduler.pt"))
     torch.save(user, os.path.join(path, "user_content.pt"))
     open(os.path.join(path, "done"), "w").write("1")
     return path
 
 
-@pytest.fixture
-def nxd_dir(tmp_path):
-    root = str(tmp_path / "nxd")
+def _nxd_steps(root, use_xser=True):
+    """Tags nxd_1 and nxd_2 as NxD writes them (nxd_2 the newer), and the state saved in each."""
     model, opt, sched = _objects()
     states = {}
     for step in (1, 2):
         train_steps(model, opt, 1, seed=4, sched=sched, start=step - 1)
         states[step] = _state(model, opt, sched)
-        _nxd_tag(root, f"nxd_{step}", model, opt, sched, {"step": step})
+        _nxd_tag(root, f"nxd_{step}", model, opt, sched, {"step": step}, use_xser)
         os.utime(os.path.join(root, f"nxd_{step}", "done"), (1000.0 * step, 1000.0 * step))
     return root, states
+
+
+@pytest.fixture
+def nxd_dir(tmp_path):
+    return _nxd_steps(str(tmp_path / "nxd"))
 
 
 def test_nxd_checkpoint_loads(nxd_dir):
@@ -248,22 +256,7 @@ def test_nxd_plain_checkpoint_missing_shard(tmp_path, caplog):
     mismatch: the explicit tag raises CorruptCheckpointError and tag=None falls back."""
     import nxd_ckpt
 
-    root = str(tmp_path / "nxd")
-    model, opt, sched = _objects()
-    states = {}
-    for step in (1, 2):
-        train_steps(model, opt, 1, seed=4, sched=sched, start=step - 1)
-        states[step] = _state(model, opt, sched)
-        path = os.path.join(root, f"nxd_{step}")
-        os.makedirs(os.path.join(path, "model"))
-        os.makedirs(os.path.join(path, "optim"))
-        open(os.path.join(path, "checkpoint"), "w").write("1")
-        torch.save(to_cpu_state(model.state_dict()), os.path.join(path, SHARD))
-        torch.save(to_cpu_state(opt.state_dict()), os.path.join(path, OSHARD))
-        torch.save(sched.state_dict(), os.path.join(path, "scheduler.pt"))
-        torch.save({"step": step}, os.path.join(path, "user_content.pt"))
-        open(os.path.join(path, "done"), "w").write("1")
-        os.utime(os.path.join(path, "done"), (1000.0 * step, 1000.0 * step))
+    root, states = _nxd_steps(str(tmp_path / "nxd"), use_xser=False)
     os.unlink(os.path.join(root, "nxd_2", SHARD))
     model, opt, sched = _objects(seed_offset=5)
     before = _state(model, opt, sched)
@@ -327,11 +320,8 @@ def test_nxd_dcp_optimizer_is_named_not_taken_for_damage(tmp_path):
     silent fall-back to an older tag as if this one were damaged."""
     import nxd_ckpt
 
-    root = str(tmp_path / "nxd")
-    model, opt, sched = _objects()
-    for step in (1, 2):
-        path = _nxd_tag(root, f"nxd_{step}", model, opt, sched, {"step": step})
-        os.utime(os.path.join(path, "done"), (1000.0 * step, 1000.0 * step))
+    root, _ = _nxd_steps(str(tmp_path / "nxd"))
+    model, opt, _ = _objects()
     optim = os.path.join(root, "nxd_2", "optim")
     shutil.rmtree(optim)
     os.makedirs(optim)
