@@ -134,7 +134,9 @@ class LocalStorage(Storage):
 
 _RENAME_EXCHANGE = 2       # linux/fs.h
 _AT_FDCWD = -100
-_UNSUPPORTED = {errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EXDEV}
+# EPERM: some FUSE filesystems answer it for unknown rename flags; a real permission problem then shows
+# in the plain rename that follows.
+_UNSUPPORTED = {errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EXDEV, errno.EPERM}
 
 
 def rename_exchange(a: str, b: str) -> bool:
