@@ -21,8 +21,8 @@ from .storage import Storage
 
 log = logging.getLogger("nxd_ckpt")
 
-STAGING_SUFFIX = ".nxdtmp"
-OLD_SUFFIX = ".nxdold"
+STAGING_SUFFIX = layout.TMP_SUFFIX
+OLD_SUFFIX = layout.OLD_SUFFIX
 MANIFEST_FORMAT = "nxd-ckpt-manifest"
 MANIFEST_VERSION = 1
 

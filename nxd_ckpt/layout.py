@@ -19,6 +19,8 @@ DONE_MARKER = "done"               # written last, once every rank has finished 
 MANIFEST_FILE = "manifest.json"     # ours: every file with size and checksum, written just before `done`
 NEWEST_FILE = "newest"              # ours, in the checkpoint dir: the newest complete tag
 TMP_SUFFIX = ".nxdtmp"              # files being written; never part of a complete checkpoint
+OLD_SUFFIX = ".nxdold"              # a tag being replaced or deleted
+RESERVED_SUFFIXES = (TMP_SUFFIX, OLD_SUFFIX)
 INFO_SUFFIX = ".info.pt"
 TENSORS_SUFFIX = ".tensors"
 
@@ -100,8 +102,9 @@ def validate_tag(tag) -> str:
             f"checkpoint tag {text!r} is '.' or contains '/', '\\' or '..': a tag names one directory directly "
             "under checkpoint_dir; pass e.g. 'step_1000'"
         )
-    if text.endswith(TMP_SUFFIX) or text in (NEWEST_FILE,):
-        raise ValueError(f"checkpoint tag {text!r} is a name nxd-ckpt reserves; choose another")
+    if text.endswith(RESERVED_SUFFIXES) or text in (NEWEST_FILE,):
+        raise ValueError(f"checkpoint tag {text!r} is a name nxd-ckpt reserves (`newest`, or ending in "
+                         f"{' or '.join(RESERVED_SUFFIXES)}); choose another, e.g. 'step_1000'")
     return text
 
 

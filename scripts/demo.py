@@ -20,6 +20,7 @@ import json
 import os
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -280,10 +281,11 @@ def main() -> int:
     print(f"    (step_{CRASH_AT}'s first save was in flight when run 2 was killed; it never became complete, and run 3 "
           f"saved step_{CRASH_AT} again)", flush=True)
     if rows:
-        med = sorted(r["stall_ms"] for r in rows)[len(rows) // 2]
-        syncs = sorted(r["sync_save_ms"] for r in rows if r["sync_save_ms"] is not None)
+        med = statistics.median(r["stall_ms"] for r in rows)
+        syncs = [r["sync_save_ms"] for r in rows if r["sync_save_ms"] is not None]
         if syncs:
-            print(f"    median stall {med:.1f} ms vs median synchronous save {syncs[len(syncs) // 2]:.0f} ms", flush=True)
+            print(f"    median stall {med:.1f} ms vs median synchronous save {statistics.median(syncs):.0f} ms",
+                  flush=True)
     print(flush=True)
 
     # 6. report -----------------------------------------------------------------------------------------------

@@ -47,7 +47,10 @@ if [[ -z "$PORT" ]]; then
   PORT="$("$PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
 fi
 
-export PJRT_DEVICE="${PJRT_DEVICE:-CPU}"
+if [[ -z "${PJRT_DEVICE:-}" ]]; then   # Neuron devices when the host has them, else the XLA CPU device
+  if [[ -e /dev/neuron0 ]]; then PJRT_DEVICE=NEURON; else PJRT_DEVICE=CPU; fi
+fi
+export PJRT_DEVICE
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
 mkdir -p "$CKPT_DIR"

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""A tiny tensor- and data-parallel transformer language model that checkpoints with nxd-ckpt.
+"""A tiny tensor-, pipeline- and data-parallel transformer language model that checkpoints with nxd-ckpt.
 
 Run it under torchrun, one process per rank (CPU-XLA here, NeuronCores on Trn1):
 
@@ -10,20 +10,22 @@ What it does, as an NxD training script would:
 - a 2-layer decoder (embedding, causal self-attention + MLP blocks with layer norm, LM head) whose attention
   QKV / MLP up / LM head are Megatron column-parallel linears and attention out / MLP down row-parallel,
   with NxD's partition attributes (``tensor_model_parallel``, ``partition_dim``, ``partition_stride``);
+- pipeline stages (``--pp``): the first stage holds the embeddings, the last the final norm and LM head, each a
+  contiguous run of blocks; activations and their gradients travel between stages over gloo, one micro-batch
+  per step; keys keep the full model's names;
 - data parallelism over the DP group (gradients averaged), Adam or, with ``--zero1``, Adam whose state is
   sharded over DP in torch-xla's ZeRO-1 format; a warm-up + cosine LR schedule;
 - a deterministic synthetic token stream; its position and the step go into ``user_content``;
 - ``save_checkpoint(..., async_save=True)`` every ``--ckpt-every`` steps (and at the last step), and on
   start ``load_checkpoint`` of the newest complete checkpoint, so a restarted job resumes by itself.
 
-Cross-rank communication (TP all-reduce, DP gradient averaging) goes over gloo on host tensors, because
+Cross-rank communication (TP all-reduce, PP send/recv, DP gradient averaging) goes over gloo on host tensors, because
 XLA collectives do not cross processes on the CPU PJRT device. On Trainium one would use the XLA
 collectives of the same groups; the checkpointing calls do not change.
 
 The training is deterministic: a run that is killed and resumed ends with the same bits as one that was
 not. ``--crash-at-step N`` SIGKILLs every rank right after the async save of step N returned, while that
 save is still being written (its writes are slowed by a write hook so it surely is in flight).
-Pipeline parallelism is not implemented in this model: ``--pp`` must be 1.
 """
 from __future__ import annotations
 
@@ -40,7 +42,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:  # run from a checkout without installing
     sys.path.insert(0, ROOT)
 
-os.environ.setdefault("PJRT_DEVICE", "CPU")
+# Neuron devices when the host has them (a Trn1/Inf2 instance), else the XLA CPU device; an explicit
+# PJRT_DEVICE always wins.
+os.environ.setdefault("PJRT_DEVICE", "NEURON" if os.path.exists("/dev/neuron0") else "CPU")
 # Tiny model, few cores: let XLA:CPU compile fast rather than optimize hard (every run of the demo uses the
 # same flags, so results stay comparable bit for bit). Irrelevant on Trainium, where neuronx-cc compiles.
 FAST_CPU_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
@@ -55,8 +59,8 @@ import torch.nn.functional as F
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--tp", type=int, default=2, help="tensor parallel size (DP = world size / TP)")
-    p.add_argument("--pp", type=int, default=1, help="pipeline parallel size; only 1 is supported by this model")
+    p.add_argument("--tp", type=int, default=2, help="tensor parallel size (DP = world size / (TP x PP))")
+    p.add_argument("--pp", type=int, default=1, help="pipeline parallel size; must divide --layers")
     p.add_argument("--dp", type=int, default=None,
                    help="data parallel size; must equal world size / (TP x PP) (default: that value)")
     p.add_argument("--steps", type=int, default=30, help="train until this global step (counting resumed steps)")

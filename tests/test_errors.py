@@ -26,7 +26,9 @@ def saved(tmp_path):
 
 
 @pytest.mark.parametrize("tag,needle", [("", "empty"), ("   ", "empty"), ("a/b", "'/'"), ("..", "'..'"),
-                                        ("x/../y", "'/'"), ("a..b", "'..'"), (None, "must be a str")])
+                                        ("x/../y", "'/'"), ("a..b", "'..'"), (None, "must be a str"),
+                                        (".", "is '.'"), ("newest", "reserves"), ("t.nxdtmp", "reserves"),
+                                        ("t.nxdold", "reserves")])
 def test_bad_tags_refused_before_writing(tmp_path, tag, needle):
     root = tmp_path / "ckpt"
     with pytest.raises(nxd_ckpt.CheckpointArgumentError, match=None) as e:
