@@ -108,10 +108,18 @@ def list_tags(checkpoint_dir: str) -> List[dict]:
     (a quick check: files missing or of the wrong size; checksums are `nxd-ckpt verify`'s job)."""
     if not os.path.isdir(checkpoint_dir):
         raise CheckpointNotFoundError(f"{checkpoint_dir} is not a directory")
-    out = []
-    for t in commit.scan_tags(LocalStorage(checkpoint_dir)):
-        out.append(tag_summary(os.path.join(checkpoint_dir, t.tag), t.committed_at))
-    return out
+    storage = LocalStorage(checkpoint_dir)
+    dated = [(t.committed_at, tag_summary(os.path.join(checkpoint_dir, t.tag), t.committed_at))
+             for t in commit.scan_tags(storage)]
+    for tag, name in commit.recoverable_tags(storage).items():
+        when = storage.mtime(f"{name}/{layout.DONE_MARKER}")
+        row = tag_summary(os.path.join(checkpoint_dir, name), when)
+        row["tag"] = tag
+        row["problem"] = row["problem"] or (f"left as {name} by a crash while it was published; it loads from "
+                                            "there, and the next save renames it back")
+        dated.append((when, row))
+    dated.sort(key=lambda d: d[0], reverse=True)
+    return [row for _, row in dated]
 
 
 def _small_file(tagdir: str, name: str, trusted: bool, reader: CheckedReader) -> Optional[dict]:

@@ -70,6 +70,10 @@ def test_a_crash_between_the_renames_loses_nothing(tmp_path, capsys):
 
     assert main(["verify", root]) == 0
     assert "x.nxdtmp" in capsys.readouterr().out                  # verify checks what load would read
+    assert main(["ls", root]) == 0
+    listing = capsys.readouterr().out
+    assert [line.split()[:2] for line in listing.splitlines()[1:3]] == [["x", "complete"], ["a", "complete"]]
+    assert "x: left as x.nxdtmp by a crash while it was published" in listing
     _save(root, "b", 4)                            # the next save puts x back, then removes the debris
     assert sorted(os.listdir(root)) == ["a", "b", "newest", "x"]
     assert_bit_equal(_loaded(root, "x"), v2)
