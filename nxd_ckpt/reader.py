@@ -78,10 +78,12 @@ class FileReader:
     def load_pickle(self, relpath: str):
         return self.parse_pickle(relpath, self.read(relpath))
 
-    def parse_pickle(self, relpath: str, data: bytes):
-        """Unpickle ``data`` (the verified bytes of ``relpath``) safely unless the reader is trusted."""
+    def parse_pickle(self, relpath: str, data):
+        """Unpickle ``data`` (the verified bytes of ``relpath``, or a readable view of them) safely unless
+        the reader is trusted."""
+        src = data if hasattr(data, "readinto") else io.BytesIO(data)
         try:
-            return xser.load_refs(io.BytesIO(data), trusted=self.trusted, name=f"{self.tag}/{relpath}")
+            return xser.load_refs(src, trusted=self.trusted, name=f"{self.tag}/{relpath}")
         except xser.UnsafeCheckpointError as exc:
             raise UnsafeCheckpointError(str(exc)) from None
         except xser.XserError as exc:
@@ -248,7 +250,36 @@ def _share_raw(shard: ShardRead, group) -> None:
         body = torch.empty(int(size.item()), dtype=torch.uint8)
     hostgroups.broadcast_tensor(body, shard.raw_owner, group)
     if shard.ref_data is None:
-        shard.ref_data = shard.parse(memoryview(body.numpy()))
+        shard.ref_data = shard.parse(_ViewReader(body.numpy()))   # unpickled straight from the received bytes
+
+
+class _ViewReader(io.RawIOBase):
+    """A read-only, seekable file over a buffer, without copying it (io.BytesIO would)."""
+
+    def __init__(self, buffer):
+        super().__init__()
+        self._view = memoryview(buffer).cast("B")
+        self._pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: len(self._view)}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def readinto(self, out) -> int:
+        n = max(0, min(len(out), len(self._view) - self._pos))
+        out[:n] = self._view[self._pos:self._pos + n]
+        self._pos += n
+        return n
 
 
 def resolve(shard: ShardRead):
