@@ -28,7 +28,7 @@ import xser
 
 from . import commit, layout
 from .errors import CheckpointArgumentError, CheckpointError, CorruptCheckpointError
-from .outdir import check_output_dir
+from .outdir import check_output_dir, publish_output
 from .storage import LocalStorage
 from .verify import CheckedReader, load_manifest_file
 
@@ -432,17 +432,7 @@ def export_model(tagdir: str, output: str, *, max_shard_size="5GB", dtype: Optio
                      "weight_map": {o.key: name for name, group in zip(names, groups) for o in group}}
             body = json.dumps(index, indent=2).encode()
             store.write_file("model.safetensors.index.json", lambda f: f.write(body))
-        if os.path.isdir(dst) and os.listdir(dst):
-            old = dst + commit.OLD_SUFFIX
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(dst, old)
-            os.replace(stage, dst)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            if os.path.isdir(dst):
-                os.rmdir(dst)
-            os.makedirs(os.path.dirname(dst) or ".", exist_ok=True)
-            os.replace(stage, dst)
+        publish_output(stage, dst)
     except BaseException:
         shutil.rmtree(stage, ignore_errors=True)
         raise

@@ -1,9 +1,12 @@
-"""The output-directory checks shared by the offline tools that write a new tree (convert-zero1, export)."""
+"""Output directories of the offline tools that write a new tree (convert-zero1, export): the checks before
+anything is written, and the final move into place."""
 from __future__ import annotations
 
 import os
+import shutil
 
 from .errors import CheckpointArgumentError
+from .layout import OLD_SUFFIX
 
 
 def check_output_dir(input_dir: str, output_dir: str, *, flag: str, example: str, overwrite: bool) -> str:
@@ -30,3 +33,36 @@ def check_output_dir(input_dir: str, output_dir: str, *, flag: str, example: str
             raise CheckpointArgumentError(f"{flag} {output_dir} exists and is not empty; pass --overwrite to "
                                           "replace it, or choose a new directory")
     return dst
+
+
+def publish_output(stage: str, dst: str) -> None:
+    """Make the finished tree ``stage`` durable and rename it to ``dst``, replacing an existing ``dst``
+    only once the new tree is complete (the old one is moved aside, then removed)."""
+    for root, _dirs, _names in os.walk(stage):
+        _fsync_dir(root)
+    if os.path.isdir(dst) and os.listdir(dst):
+        old = dst + OLD_SUFFIX
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(dst, old)
+        os.replace(stage, dst)
+        _fsync_dir(os.path.dirname(dst))
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        if os.path.isdir(dst):
+            os.rmdir(dst)
+        os.makedirs(os.path.dirname(dst) or ".", exist_ok=True)
+        os.replace(stage, dst)
+    _fsync_dir(os.path.dirname(dst))
+
+
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass   # some network filesystems refuse fsync on directories
+    finally:
+        os.close(fd)

@@ -31,7 +31,7 @@ import xser
 
 from . import commit, layout
 from .errors import CheckpointArgumentError, CheckpointError, CorruptCheckpointError
-from .outdir import check_output_dir
+from .outdir import check_output_dir, publish_output
 from .storage import FileRecord, LocalStorage
 from .verify import CheckedReader, file_crc32c, load_manifest_file
 
@@ -453,7 +453,7 @@ def convert_zero1(input_dir: str, output_dir: str, *, to_full: bool = False, dp_
             linked, copied = _copy_rest(src, stage, manifest, records)
             _write_manifest(out, os.path.basename(dst), manifest, src, groups, g_out, to_full, xser_in,
                             records, optim_tensors)
-        _publish(stage, dst)
+        publish_output(stage, dst)
     except BaseException:
         shutil.rmtree(stage, ignore_errors=True)
         raise
@@ -840,25 +840,6 @@ def _rank_of(rel: str, topo: dict) -> int:
     return ((s.pp * dp + s.dp) * cp) * tp + s.tp
 
 
-def _publish(stage: str, dst: str) -> None:
-    """Make ``stage`` durable and rename it to ``dst`` (replacing an existing ``dst``)."""
-    for root, _dirs, _names in os.walk(stage):
-        _fsync_dir(root)
-    if os.path.isdir(dst) and os.listdir(dst):
-        old = dst + commit.OLD_SUFFIX
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(dst, old)
-        os.replace(stage, dst)
-        _fsync_dir(os.path.dirname(dst))
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        if os.path.isdir(dst):
-            os.rmdir(dst)
-        os.makedirs(os.path.dirname(dst) or ".", exist_ok=True)
-        os.replace(stage, dst)
-    _fsync_dir(os.path.dirname(dst))
-
-
 def _fsync_files(root: str, rels: List[str]) -> None:
     """Make the files written without fsync durable (the kernel has been writing them back meanwhile, so
     this overlaps disk writes with the conversion instead of waiting for each file)."""
@@ -873,19 +854,6 @@ def _fsync_files(root: str, rels: List[str]) -> None:
 
     with ThreadPoolExecutor(max_workers=8) as pool:
         list(pool.map(sync, rels))
-
-
-def _fsync_dir(path: str) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 # --- command line ---------------------------------------------------------------------------------------
