@@ -29,6 +29,7 @@ import xser
 from . import commit, layout
 from .errors import CheckpointArgumentError, CheckpointError, CorruptCheckpointError
 from .outdir import check_output_dir, publish_output
+from .partition import merge_tp
 from .storage import LocalStorage
 from .verify import CheckedReader, load_manifest_file
 
@@ -90,20 +91,6 @@ def parse_dtype(name: Optional[str]) -> Optional[torch.dtype]:
     if d is None:
         raise CheckpointArgumentError(f"--dtype {name!r} is not one of bf16, fp16, fp32")
     return d
-
-
-def merge_tp(shards: Sequence[torch.Tensor], dim: int, stride: int = 1) -> torch.Tensor:
-    """The full tensor from its TP shards (rank order). With ``stride`` s > 1 each shard holds s blocks along
-    ``dim`` and the full tensor is block k of every rank, for k = 0..s-1 (Megatron's strided split)."""
-    if len(shards) == 1:
-        return shards[0]
-    if stride == 1:
-        return torch.cat(list(shards), dim=dim)
-    per = shards[0].shape[dim]
-    if per % stride:
-        raise ExportError(f"a shard has {per} rows along dim {dim}, not a multiple of partition_stride {stride}")
-    blk = per // stride
-    return torch.cat([s.narrow(dim, k * blk, blk) for k in range(stride) for s in shards], dim=dim)
 
 
 def bit_equal(a: torch.Tensor, b: torch.Tensor) -> bool:

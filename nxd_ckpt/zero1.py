@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import copy
 import json
-import math
 import multiprocessing
 import os
 import shutil
@@ -32,6 +31,7 @@ import xser
 from . import commit, layout
 from .errors import CheckpointArgumentError, CheckpointError, CorruptCheckpointError
 from .outdir import check_output_dir, publish_output
+from .partition import piece_rows as _per, rows_tail as _rows_tail
 from .storage import FileRecord, LocalStorage
 from .verify import CheckedReader, file_crc32c, load_manifest_file
 
@@ -106,13 +106,6 @@ def _fill(tpl, value: Callable[[Slot], Any]):
     return walk(tpl)
 
 
-def _rows_tail(shape) -> Tuple[int, tuple]:
-    shape = tuple(int(d) for d in shape)
-    return (shape[0], shape[1:]) if shape else (1, ())
-
-
-def _per(rows: int, size: int) -> int:
-    return math.ceil(rows / size) if rows else 0
 
 
 def build_template(state, where: str) -> Tuple[Any, List[Slot], Dict[Any, tuple]]:

@@ -7,29 +7,22 @@ provide; this one reduces gradients and gathers updated shards over a host gloo 
 """
 from __future__ import annotations
 
-import math
 from typing import List, Optional
 
 import torch
 import torch.distributed as dist
 
+from ..partition import zero1_shard, zero1_unshard
+
 
 def shard_of(full: torch.Tensor, rank: int, size: int) -> torch.Tensor:
     """Piece ``rank`` of ``full`` padded with zeros along dim 0 to a multiple of ``size``."""
-    rows = full.shape[0] if full.dim() else 1
-    full = full.reshape(rows, *full.shape[1:]) if full.dim() else full.reshape(1)
-    per = math.ceil(rows / size)
-    pad = per * size - rows
-    if pad:
-        full = torch.cat([full, full.new_zeros((pad, *full.shape[1:]))], dim=0)
-    return full[rank * per:(rank + 1) * per].clone()
+    return zero1_shard(full, rank, size)
 
 
 def unshard(shards: List[torch.Tensor], shape) -> torch.Tensor:
     """Inverse of shard_of: concatenate along dim 0, trim to ``shape[0]`` rows."""
-    full = torch.cat(shards, dim=0)
-    rows = shape[0] if len(shape) else 1
-    return full[:rows].reshape(shape)
+    return zero1_unshard(shards, shape)
 
 
 class ZeroOneAdam:
