@@ -7,9 +7,10 @@ Run it under torchrun, one process per rank (CPU-XLA here, NeuronCores on Trn1):
         scripts/train_demo.py --tp 2 --steps 40 --ckpt-every 10 --ckpt-dir /tmp/demo_ckpt --zero1
 
 What it does, as an NxD training script would:
-- a 2-layer decoder (embedding, causal self-attention + MLP blocks with layer norm, LM head) whose attention
-  QKV / MLP up / LM head are Megatron column-parallel linears and attention out / MLP down row-parallel,
+- a 2-layer Llama (RMSNorm, rotary embeddings, SwiGLU MLP, no biases) with transformers' parameter names,
+  whose q/k/v, gate/up and LM head are Megatron column-parallel linears and o_proj / down_proj row-parallel,
   with NxD's partition attributes (``tensor_model_parallel``, ``partition_dim``, ``partition_stride``);
+  ``nxd-ckpt export`` of its checkpoint loads with transformers' ``LlamaForCausalLM`` (``llama_config``);
 - pipeline stages (``--pp``): the first stage holds the embeddings, the last the final norm and LM head, each a
   contiguous run of blocks; activations and their gradients travel between stages over gloo, one micro-batch
   per step; keys keep the full model's names;
@@ -76,6 +77,9 @@ def parse_args(argv=None):
     p.add_argument("--crash-write-delay", type=float, default=2.0,
                    help="seconds each file write of the crash step's save is held back (keeps it in flight)")
     p.add_argument("--dump-final", default=None, help="each rank writes its final model+optimizer state to FILE.rank<r>.pt")
+    p.add_argument("--dump-logits", default=None,
+                   help="at the end, a forward pass over LOGITS_TOKENS; global rank of the last stage's first TP/DP "
+                        "rank writes {'tokens', 'logits'} to FILE")
     p.add_argument("--zero1", action="store_true", help="ZeRO-1 (DP-sharded) Adam instead of replicated Adam")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--lr", type=float, default=1e-2)
@@ -86,6 +90,9 @@ def parse_args(argv=None):
     p.add_argument("--vocab", type=int, default=32)
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--kv-heads", type=int, default=None, help="key/value heads (grouped-query attention; default --heads)")
+    p.add_argument("--rms-eps", type=float, default=1e-5)
+    p.add_argument("--rope-theta", type=float, default=10000.0)
     p.add_argument("--ffn", type=int, default=256)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--num-workers", type=int, default=4, help="checkpoint writer threads per rank")
@@ -171,66 +178,113 @@ def _param(full: torch.Tensor, device, partition_dim=None) -> torch.nn.Parameter
 
 
 class ColumnParallelLinear(torch.nn.Module):
-    """y = x W^T + b with W split along its output rows (partition_dim 0) over TP."""
+    """y = x W^T with W split along its output rows (partition_dim 0) over TP (Llama's linears have no bias)."""
 
-    def __init__(self, in_f, out_f, gen, device, gather_output=False, bias=True):
+    def __init__(self, in_f, out_f, gen, device, gather_output=False):
         super().__init__()
         assert out_f % TP.size == 0, f"{out_f} output features do not split over TP={TP.size}"
         self.weight = _param(torch.randn(out_f, in_f, generator=gen) * in_f ** -0.5, device, 0)
-        self.bias = _param(torch.zeros(out_f), device, 0) if bias else None
         self.gather_output = gather_output
 
     def forward(self, x):
-        y = F.linear(_CopyToTP.apply(x), self.weight, self.bias)
+        y = F.linear(_CopyToTP.apply(x), self.weight)
         return _GatherFromTP.apply(y) if self.gather_output else y
 
 
 class RowParallelLinear(torch.nn.Module):
-    """y = x W^T + b with W split along its input columns (partition_dim 1); partial sums all-reduced."""
+    """y = x W^T with W split along its input columns (partition_dim 1); partial sums all-reduced."""
 
     def __init__(self, in_f, out_f, gen, device):
         super().__init__()
         assert in_f % TP.size == 0, f"{in_f} input features do not split over TP={TP.size}"
         self.weight = _param(torch.randn(out_f, in_f, generator=gen) * in_f ** -0.5, device, 1)
-        self.bias = _param(torch.zeros(out_f), device)   # replicated, added after the reduction
 
     def forward(self, x):
-        return _ReduceFromTP.apply(F.linear(x, self.weight)) + self.bias
+        return _ReduceFromTP.apply(F.linear(x, self.weight))
 
 
-class LayerNorm(torch.nn.Module):
-    def __init__(self, n, device):
+class RMSNorm(torch.nn.Module):
+    """Llama's RMSNorm, computed as transformers' LlamaRMSNorm does (in float32, weight applied last)."""
+
+    def __init__(self, n, eps, device):
         super().__init__()
         self.weight = _param(torch.ones(n), device)
-        self.bias = _param(torch.zeros(n), device)
+        self.eps = eps
 
     def forward(self, x):
-        return F.layer_norm(x, (x.shape[-1],), self.weight, self.bias)
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
 
 
-class Block(torch.nn.Module):
+def rope_tables(seq_len, head_dim, theta, device):
+    """cos/sin of Llama's rotary embedding for positions 0..seq_len-1 ([seq_len, head_dim], halves repeated)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    freqs = torch.outer(torch.arange(seq_len).float(), inv_freq)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(device), emb.sin().to(device)
+
+
+def _rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class LlamaAttention(torch.nn.Module):
+    """Causal self-attention with rotary embeddings and grouped-query heads; q/k/v column-parallel (whole
+    heads per TP rank), o_proj row-parallel."""
+
     def __init__(self, cfg, gen, device):
         super().__init__()
-        h, self.heads = cfg.hidden, cfg.heads
-        assert self.heads % TP.size == 0, f"{self.heads} heads do not split over TP={TP.size}"
-        self.local_heads = self.heads // TP.size
-        self.head_dim = h // self.heads
-        self.ln1 = LayerNorm(h, device)
-        # QKV rows laid out [head, (q|k|v), head_dim]: a contiguous TP slice holds whole heads.
-        self.qkv = ColumnParallelLinear(h, 3 * h, gen, device)
-        self.proj = RowParallelLinear(h, h, gen, device)
-        self.ln2 = LayerNorm(h, device)
-        self.up = ColumnParallelLinear(h, cfg.ffn, gen, device)
-        self.down = RowParallelLinear(cfg.ffn, h, gen, device)
+        h, heads, kv = cfg.hidden, cfg.heads, cfg.kv_heads or cfg.heads
+        assert heads % TP.size == 0 and kv % TP.size == 0, f"{heads} heads / {kv} KV heads do not split over TP={TP.size}"
+        assert heads % kv == 0, f"{heads} heads are not a multiple of {kv} KV heads"
+        self.head_dim = h // heads
+        self.local_heads, self.local_kv = heads // TP.size, kv // TP.size
+        self.q_proj = ColumnParallelLinear(h, heads * self.head_dim, gen, device)
+        self.k_proj = ColumnParallelLinear(h, kv * self.head_dim, gen, device)
+        self.v_proj = ColumnParallelLinear(h, kv * self.head_dim, gen, device)
+        self.o_proj = RowParallelLinear(heads * self.head_dim, h, gen, device)
 
-    def forward(self, x, mask):
+    def forward(self, x, mask, cos, sin):
         b, t, _ = x.shape
-        qkv = self.qkv(self.ln1(x)).view(b, t, self.local_heads, 3, self.head_dim)
-        q, k, v = (qkv[:, :, :, i].transpose(1, 2) for i in range(3))       # [b, heads, t, d]
+        q = self.q_proj(x).view(b, t, self.local_heads, self.head_dim).transpose(1, 2)   # [b, heads, t, d]
+        k = self.k_proj(x).view(b, t, self.local_kv, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, self.local_kv, self.head_dim).transpose(1, 2)
+        q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        rep = self.local_heads // self.local_kv
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         att = (q @ k.transpose(-1, -2)) * self.head_dim ** -0.5 + mask
         y = (att.softmax(-1) @ v).transpose(1, 2).reshape(b, t, self.local_heads * self.head_dim)
-        x = x + self.proj(y)
-        return x + self.down(F.gelu(self.up(self.ln2(x))))
+        return self.o_proj(y)
+
+
+class LlamaMLP(torch.nn.Module):
+    """down(silu(gate(x)) * up(x)): gate/up column-parallel, down row-parallel."""
+
+    def __init__(self, cfg, gen, device):
+        super().__init__()
+        self.gate_proj = ColumnParallelLinear(cfg.hidden, cfg.ffn, gen, device)
+        self.up_proj = ColumnParallelLinear(cfg.hidden, cfg.ffn, gen, device)
+        self.down_proj = RowParallelLinear(cfg.ffn, cfg.hidden, gen, device)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(torch.nn.Module):
+    """Llama's pre-norm decoder layer (the same parameter names as transformers' LlamaDecoderLayer)."""
+
+    def __init__(self, cfg, gen, device):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden, cfg.rms_eps, device)
+        self.self_attn = LlamaAttention(cfg, gen, device)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden, cfg.rms_eps, device)
+        self.mlp = LlamaMLP(cfg, gen, device)
+
+    def forward(self, x, mask, cos, sin):
+        x = x + self.self_attn(self.input_layernorm(x), mask, cos, sin)
+        return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class PP:
@@ -241,38 +295,78 @@ class PP:
     next = None
 
 
+class LlamaBody(torch.nn.Module):
+    """``model.*`` of transformers' LlamaForCausalLM: embeddings (first stage), this stage's layers, final norm
+    (last stage)."""
+
+    def __init__(self, cfg, gen, device, first, last, layer_ids):
+        super().__init__()
+        embed = _param(torch.randn(cfg.vocab, cfg.hidden, generator=gen) * 0.02, device)
+        layers = [DecoderLayer(cfg, gen, device) for _ in range(cfg.layers)]   # every layer: same RNG draws at any PP
+        norm = RMSNorm(cfg.hidden, cfg.rms_eps, device)
+        if first:
+            self.embed_tokens = torch.nn.Module()
+            self.embed_tokens.weight = embed
+        self.layers = torch.nn.ModuleDict({str(i): layers[i] for i in layer_ids})
+        if last:
+            self.norm = norm
+
+
 class TinyLM(torch.nn.Module):
-    """The whole LM at PP=1; at PP>1 this stage's part: the embeddings on the first stage, a contiguous run
-    of blocks on each, the final norm and LM head on the last. Keys keep the full model's names (block i is
-    ``blocks.i`` on whichever stage holds it), so stages merge back into one state dict."""
+    """A small Llama (RMSNorm, rotary embeddings, SwiGLU MLP, no biases) with transformers' parameter names
+    (``model.embed_tokens.weight``, ``model.layers.<i>.self_attn.q_proj.weight``, ..., ``lm_head.weight``), so
+    ``nxd-ckpt export`` output loads with ``LlamaForCausalLM.from_pretrained`` and a ``llama_config(args)``.
+    At PP>1 this stage's part: the embeddings on the first stage, a contiguous run of layers on each, the
+    final norm and LM head on the last; keys keep the full model's names, so stages merge back into one."""
 
     def __init__(self, cfg, device):
         super().__init__()
         gen = torch.Generator().manual_seed(cfg.seed)   # full weights from one seed: same model for any TP/PP
-        h = cfg.hidden
-        embed = _param(torch.randn(cfg.vocab, h, generator=gen) * 0.02, device)
-        pos = _param(torch.randn(cfg.seq_len, h, generator=gen) * 0.02, device)
-        blocks = [Block(cfg, gen, device) for _ in range(cfg.layers)]
-        ln_f = LayerNorm(h, device)
-        lm_head = ColumnParallelLinear(h, cfg.vocab, gen, device, gather_output=True, bias=False)
         per = cfg.layers // PP.size
         self.first, self.last = PP.rank == 0, PP.rank == PP.size - 1
-        if self.first:
-            self.embed, self.pos = embed, pos
-        self.blocks = torch.nn.ModuleDict({str(i): blocks[i] for i in range(PP.rank * per, (PP.rank + 1) * per)})
+        self.model = LlamaBody(cfg, gen, device, self.first, self.last, range(PP.rank * per, (PP.rank + 1) * per))
+        lm_head = ColumnParallelLinear(cfg.hidden, cfg.vocab, gen, device, gather_output=True)
         if self.last:
-            self.ln_f, self.lm_head = ln_f, lm_head
+            self.lm_head = lm_head
         t = cfg.seq_len
+        cos, sin = rope_tables(t, cfg.hidden // cfg.heads, cfg.rope_theta, device)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
         self.register_buffer("mask", torch.full((t, t), float("-inf")).triu(1).to(device), persistent=False)
 
     def forward(self, x):
         """First stage: token ids in; last stage: logits out; in between: activations."""
         t = x.shape[1]
         if self.first:
-            x = F.embedding(x, self.embed) + self.pos[:t]
-        for blk in self.blocks.values():
-            x = blk(x, self.mask[:t, :t])
-        return self.lm_head(self.ln_f(x)) if self.last else x
+            x = F.embedding(x, self.model.embed_tokens.weight)
+        for layer in self.model.layers.values():
+            x = layer(x, self.mask[:t, :t], self.rope_cos[:t], self.rope_sin[:t])
+        return self.lm_head(self.model.norm(x)) if self.last else x
+
+
+def llama_config(cfg) -> dict:
+    """transformers' LlamaConfig (as a dict, for ``config.json``) of the model ``TinyLM(cfg)`` builds."""
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": cfg.vocab,
+            "hidden_size": cfg.hidden, "intermediate_size": cfg.ffn, "num_hidden_layers": cfg.layers,
+            "num_attention_heads": cfg.heads, "num_key_value_heads": cfg.kv_heads or cfg.heads,
+            "head_dim": cfg.hidden // cfg.heads, "max_position_embeddings": cfg.seq_len, "rms_norm_eps": cfg.rms_eps,
+            "rope_theta": cfg.rope_theta, "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
+            "tie_word_embeddings": False, "torch_dtype": "float32"}
+
+
+def pipeline_forward(model, tokens, hidden, device):
+    """Forward only, through every stage; the logits on the last stage, else None."""
+    with torch.no_grad():
+        x = tokens
+        if not model.first:
+            x = torch.empty(tokens.shape[0], tokens.shape[1], hidden)
+            dist.recv(x, src=PP.prev)
+            x = x.to(device)
+        out = model(x)
+        if not model.last:
+            dist.send(out.cpu().contiguous(), dst=PP.next)
+            return None
+        return out
 
 
 def pipeline_step(model, tokens, targets, vocab, hidden, device):
@@ -560,6 +654,11 @@ def main(argv=None):
     report["wall_s"] = time.monotonic() - wall0
     if args.dump_final:
         torch.save(final, f"{args.dump_final}.rank{rank}.pt")
+    if args.dump_logits:
+        tokens = TokenStream(args.seed + 1, args.vocab, args.seq_len).batch(0, 2)[:, :-1]
+        logits = pipeline_forward(model, tokens.to(device), args.hidden, device)
+        if logits is not None and TP.rank == 0 and dp_rank == 0:
+            torch.save({"tokens": tokens, "logits": logits.detach().cpu()}, args.dump_logits)
     flush_report()
     say(f"done: steps {start_step + 1}..{args.steps}, final state sha256 {report['final_checksum'][:16]}, "
         f"{report['wall_s']:.1f}s")

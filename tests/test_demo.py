@@ -131,5 +131,6 @@ def test_pipeline_stages_save_resume_and_export(tmp_path):
 
     assert main(["export", str(ckpt / "step_4"), "--output", str(tmp_path / "hf")]) == 0
     keys = set(load_file(str(tmp_path / "hf" / "model.safetensors")))
-    assert {"embed", "pos", "ln_f.weight", "lm_head.weight", "blocks.0.qkv.weight", "blocks.1.down.weight"} <= keys
-    assert not [k for k in keys if k.startswith("blocks.2")]
+    assert {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight", "model.layers.0.self_attn.q_proj.weight",
+            "model.layers.1.mlp.down_proj.weight"} <= keys
+    assert not [k for k in keys if k.startswith("model.layers.2")]

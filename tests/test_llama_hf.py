@@ -1,0 +1,58 @@
+"""The demo model is a Llama: ``nxd-ckpt export`` of its TP=2 checkpoint loads with transformers'
+``LlamaForCausalLM.from_pretrained`` (a local config.json beside the weights; nothing from a hub) and gives the
+same logits as the demo model itself on the same tokens."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+import torch
+from harness import run_ranks
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPTS = os.path.join(ROOT, "scripts")
+if SCRIPTS not in sys.path:
+    sys.path.insert(0, SCRIPTS)
+
+transformers = pytest.importorskip("transformers")
+
+# Grouped-query attention (4 heads, 2 KV heads) so the KV projections' split is exercised too.
+MODEL = ["--zero1", "--tp", "2", "--layers", "2", "--hidden", "32", "--heads", "4", "--kv-heads", "2", "--ffn", "64",
+         "--seq-len", "16", "--vocab", "48", "--steps", "2", "--ckpt-every", "2", "--log-every", "1", "--no-async"]
+
+
+def _demo_rank(rank, world, argv):
+    import train_demo
+
+    train_demo.main(argv)
+    return True
+
+
+def test_export_of_tp2_demo_checkpoint_loads_in_transformers_with_equal_logits(tmp_path):
+    import train_demo
+    from transformers import LlamaForCausalLM
+
+    from nxd_ckpt.cli import main
+
+    ckpt, hf, dump = tmp_path / "ckpt", tmp_path / "hf", tmp_path / "logits.pt"
+    argv = MODEL + ["--ckpt-dir", str(ckpt), "--dump-logits", str(dump)]
+    run_ranks(_demo_rank, 2, argv, timeout=150)
+    assert main(["export", str(ckpt / "step_2"), "--output", str(hf)]) == 0
+    with open(hf / "config.json", "w") as f:
+        json.dump(train_demo.llama_config(train_demo.parse_args(argv)), f)
+
+    model = LlamaForCausalLM.from_pretrained(str(hf), local_files_only=True, attn_implementation="eager")
+    got = dict(model.state_dict())
+    from safetensors.torch import load_file
+
+    exported = load_file(str(hf / "model.safetensors"))
+    assert set(exported) == set(got), "every exported tensor is one of LlamaForCausalLM's, and none is missing"
+    for k, v in exported.items():
+        assert torch.equal(got[k], v), k     # from_pretrained took the bytes as they are
+
+    ref = torch.load(dump, weights_only=True)
+    with torch.no_grad():
+        logits = model(ref["tokens"]).logits
+    torch.testing.assert_close(logits, ref["logits"], rtol=1e-4, atol=1e-5)
