@@ -24,7 +24,7 @@ import xser
 from . import hostgroups, layout
 from .errors import CorruptCheckpointError, UnsafeCheckpointError
 from .plan import assign_to_bins
-from .storage import LocalStorage, Storage
+from .storage import Storage
 
 log = logging.getLogger("nxd_ckpt")
 
@@ -107,12 +107,12 @@ class FileReader:
         (``_read_tensor_mapped``). None when that does not apply or the file does not verify; load_tensor
         then reads the bytes and names the damage."""
         entry = self.manifest["files"].get(relpath) if self.manifest is not None else None
-        if (not self.mapped or entry is None or entry["size"] < MAPPED_MIN_BYTES
-                or not isinstance(self.storage, LocalStorage)):
-            return None
         full = f"{self.tag}/{relpath}"
+        local = self.storage.local_path(full) if self.mapped and entry is not None else None
+        if local is None or entry["size"] < MAPPED_MIN_BYTES:
+            return None
         try:
-            return _read_tensor_mapped(self.storage.path(full), entry, self.trusted, full)
+            return _read_tensor_mapped(local, entry, self.trusted, full)
         except xser.UnsafeCheckpointError as exc:
             raise UnsafeCheckpointError(str(exc)) from None
         except Exception:  # noqa: BLE001 - any doubt: the byte-exact path decides and explains

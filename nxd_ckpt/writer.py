@@ -1,7 +1,7 @@
 """Background writer: one runner thread per process takes saves in order; a pool writes their files.
 
 Per save the runner (1) waits for rank 0 to prepare the staging directory, (2) writes this rank's files
-(temp + fsync + rename, CRC32C on the bytes as written) with ``num_workers`` threads, releasing host
+(CRC32C on the bytes as written; made durable in one parallel batch) with ``num_workers`` threads, releasing host
 staging memory as each tensor file lands, (3) reports its file list through the store, and on rank 0
 (4) gathers every report, commits or declares failure, applies retention and publishes the outcome that
 (5) every rank waits for. Failures become RankFailureError, kept until the caller's next
@@ -37,7 +37,7 @@ _END = object()
 @dataclass
 class WriteTask:
     """One file to write, relative to the tag directory. ``produce(fileobj)`` writes its bytes;
-    ``nbytes`` of host staging memory are released once it is durable."""
+    ``nbytes`` of host staging memory are released once it is written."""
 
     relpath: str
     produce: Callable
@@ -232,6 +232,10 @@ def _write_all(job: SaveJob, runner: SaveRunner, staging: str):
             written_bytes += f.result().size
     if error is None:
         try:
+            # Durability for the whole batch at once, before the report that lets rank 0 commit: the files
+            # were written without a temporary name (the staging directory's rename is the atomic step) and
+            # without a sync each.
+            job.storage.sync_files(f"{staging}/{r.relpath}" for r in records)
             dirs = {staging + "/" + r.relpath.rsplit("/", 1)[0] if "/" in r.relpath else staging for r in records}
             job.storage.sync_dirs(dirs)
         except Exception as exc:  # noqa: BLE001
@@ -256,7 +260,7 @@ def _write_one(storage: Storage, staging: str, task: WriteTask, budget: HostBudg
             raise
 
     try:
-        rec = storage.write_file(f"{staging}/{task.relpath}", produce)
+        rec = storage.write_file(f"{staging}/{task.relpath}", produce, durable=False, atomic=False)
         return FileRecord(task.relpath, rec.size, rec.crc32c)
     finally:
         budget.release(task.nbytes)

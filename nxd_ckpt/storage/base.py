@@ -1,9 +1,29 @@
-"""The small interface every storage backend implements: bytes in and out under a root directory."""
+"""The small byte-level interface every storage backend implements.
+
+A backend provides a handful of verbs on keys (paths relative to its root, '/'-separated): write a file
+from a producer, read it whole or a byte range, list the keys under a prefix (the backend paginates),
+stat, delete many, and the optional capabilities it declares (atomic rename/exchange of a directory,
+durability that needs an explicit sync, local paths for memory mapping). Everything a checkpoint needs
+beyond that (directory views, trees, CRC32C and sizes of what is written) is derived here, once, so a
+backend never re-implements it.
+"""
 from __future__ import annotations
 
+import io
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Callable, Iterable, List
+from typing import Callable, Iterable, List, Optional
+
+import crc32c as _crc32c
+
+# A test hook: called with (relpath) before every file write; it may block or raise (fault injection).
+_write_hook: Optional[Callable[[str], None]] = None
+
+
+def set_write_hook(hook: Optional[Callable[[str], None]]) -> None:
+    """Install (or clear with None) a process-wide callable run before each file write. For tests."""
+    global _write_hook
+    _write_hook = hook
 
 
 @dataclass(frozen=True)
@@ -18,48 +38,178 @@ class FileRecord:
         return {"size": self.size, "crc32c": f"{self.crc32c:08x}"}
 
 
+@dataclass(frozen=True)
+class Stat:
+    size: int
+    mtime: float
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a backend can do beyond the common verbs.
+
+    ``rename``: a directory (prefix) can be renamed atomically, so a tag can be staged under another name
+    and published in one step (the rename commit). ``exchange``: two directories can be swapped
+    atomically (renameat2). ``needs_sync``: written bytes are durable only after ``sync_files`` /
+    ``sync_dirs`` (POSIX page cache); object stores are durable once a write is acknowledged.
+    ``local``: ``local_path`` gives a filesystem path (memory-mapped reads). ``create_exclusive``:
+    ``write_file(..., exclusive=True)`` fails when the key exists (S3 ``If-None-Match: *``)."""
+
+    rename: bool
+    exchange: bool = False
+    needs_sync: bool = False
+    local: bool = False
+    create_exclusive: bool = False
+
+
+class AlreadyExistsError(FileExistsError):
+    """An exclusive write found the key already there (another job committed it)."""
+
+
+class Sink(ABC):
+    """Where a backend puts the bytes of one file while it is written."""
+
+    @abstractmethod
+    def write(self, view: memoryview) -> None: ...
+
+    @abstractmethod
+    def finish(self, record: FileRecord, durable: bool) -> None:
+        """Make the file visible under its key (and durable when asked); ``record`` carries the size and
+        CRC32C of every byte written, for backends that send or store the checksum."""
+
+    @abstractmethod
+    def abort(self) -> None:
+        """Drop whatever was written; never raises."""
+
+
+class _CountingWriter(io.RawIOBase):
+    """A write-only file object that CRC32C-checksums and counts bytes on their way to a Sink."""
+
+    def __init__(self, sink: Sink):
+        super().__init__()
+        self._sink = sink
+        self.crc = 0
+        self.size = 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data) -> int:
+        view = memoryview(data).cast("B")
+        self.crc = _crc32c.crc32c(view, self.crc)
+        self._sink.write(view)
+        self.size += len(view)
+        return len(view)
+
+    def flush(self) -> None:
+        pass
+
+
 class Storage(ABC):
-    """Paths given to a Storage are relative to its root and use '/' separators."""
+    """Bytes in and out under a root. Keys are relative to the root and use '/' separators; a
+    "directory" is the set of keys under ``<name>/``."""
+
+    caps: Capabilities
+    root: str   # what messages show: a path or URL
+
+    # --- the verbs a backend implements ---------------------------------------------------------------
+    @abstractmethod
+    def _sink(self, relpath: str, atomic: bool, exclusive: bool) -> Sink:
+        """Open the destination of one file. ``atomic``: readers never see a partial file under the key
+        (POSIX: temporary name + rename; objects are atomic anyway)."""
 
     @abstractmethod
-    def write_file(self, relpath: str, produce: Callable, *, durable: bool = True) -> FileRecord:
-        """Call ``produce(fileobj)`` to write ``relpath`` atomically (temp name, fsync, rename); checksum
-        the bytes as they pass."""
+    def read(self, relpath: str, offset: int = 0, length: Optional[int] = None) -> bytes:
+        """The file's bytes (``length`` bytes from ``offset``; all when None). FileNotFoundError."""
 
     @abstractmethod
-    def read_bytes(self, relpath: str) -> bytes: ...
+    def list(self, prefix: str = "") -> List[str]:
+        """Every file key under ``prefix`` (a directory name, '' for all), recursively, sorted."""
 
     @abstractmethod
-    def exists(self, relpath: str) -> bool: ...
+    def stat(self, relpath: str) -> Stat:
+        """Size and modification time of a file. FileNotFoundError."""
+
+    @abstractmethod
+    def delete_many(self, relpaths: Iterable[str]) -> None:
+        """Remove these files; missing ones are ignored."""
 
     @abstractmethod
     def isdir(self, relpath: str) -> bool: ...
 
     @abstractmethod
-    def listdir(self, relpath: str) -> List[str]: ...
+    def listdir(self, relpath: str) -> List[str]:
+        """Names of the files and directories directly under ``relpath``, sorted ([] when none)."""
 
-    @abstractmethod
-    def makedirs(self, relpath: str) -> None: ...
+    # --- derived, one place for all backends ------------------------------------------------------------
+    def write_file(self, relpath: str, produce: Callable, *, durable: bool = True, atomic: bool = True,
+                   exclusive: bool = False) -> FileRecord:
+        """Call ``produce(fileobj)`` to write ``relpath``; the bytes are CRC32C-checksummed and counted as
+        they pass. ``durable=False``: the caller makes the file durable later with ``sync_files``.
+        ``atomic=False``: a crash may leave a partial file under its key (only for files inside an
+        uncommitted staging directory). Blocks until the backend acknowledged the write."""
+        if _write_hook is not None:
+            _write_hook(relpath)
+        sink = self._sink(relpath, atomic, exclusive)
+        try:
+            writer = _CountingWriter(sink)
+            produce(writer)
+            record = FileRecord(relpath, writer.size, writer.crc)
+            sink.finish(record, durable)
+        except BaseException:
+            sink.abort()
+            raise
+        return record
 
-    @abstractmethod
-    def remove_file(self, relpath: str) -> None: ...
+    def write_bytes(self, relpath: str, data: bytes, **kw) -> FileRecord:
+        return self.write_file(relpath, lambda f: f.write(data), **kw)
 
-    @abstractmethod
-    def remove_tree(self, relpath: str) -> None: ...
+    def read_bytes(self, relpath: str) -> bytes:
+        return self.read(relpath)
 
-    @abstractmethod
-    def rename(self, src: str, dst: str) -> None: ...
+    def exists(self, relpath: str) -> bool:
+        """A file or a non-empty directory (like os.path.exists)."""
+        return self.isfile(relpath) or self.isdir(relpath)
+
+    def isfile(self, relpath: str) -> bool:
+        try:
+            self.stat(relpath)
+            return True
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+            return False
+
+    def size(self, relpath: str) -> int:
+        return self.stat(relpath).size
+
+    def mtime(self, relpath: str) -> float:
+        return self.stat(relpath).mtime
+
+    def remove_file(self, relpath: str) -> None:
+        self.delete_many([relpath])
+
+    def remove_tree(self, relpath: str) -> None:
+        self.delete_many(self.list(relpath))
+
+    def makedirs(self, relpath: str) -> None:
+        """Directories exist implicitly in a key space; POSIX overrides."""
+
+    def rename(self, src: str, dst: str) -> None:
+        raise NotImplementedError(f"{type(self).__name__} cannot rename ({self.root}): use the marker commit")
 
     def exchange(self, a: str, b: str) -> bool:
         """Atomically swap two existing directories; False when this storage cannot (nothing changed)."""
         return False
 
-    @abstractmethod
+    def sync_files(self, relpaths: Iterable[str]) -> None:
+        """Make files written with ``durable=False`` durable (no-op where acknowledged writes are)."""
+
     def sync_dirs(self, relpaths: Iterable[str]) -> None:
-        """Make directory entries (new files, renames) durable."""
+        """Make directory entries (new files, renames) durable (no-op without directories)."""
 
-    @abstractmethod
-    def size(self, relpath: str) -> int: ...
+    def local_path(self, relpath: str) -> Optional[str]:
+        """A filesystem path for the key when the backend is local (for memory-mapped reads), else None."""
+        return None
 
-    @abstractmethod
-    def mtime(self, relpath: str) -> float: ...
+    def child(self, relpath: str) -> "Storage":
+        """The same backend rooted at ``relpath`` under this root."""
+        raise NotImplementedError

@@ -1,89 +1,107 @@
-"""POSIX storage (local disk, FSx for Lustre, NFS): temp file + fsync + rename, directories fsynced."""
+"""POSIX storage (local disk, FSx for Lustre, NFS): atomic files by temporary name + rename, durability by
+fsync (batched and parallel for the files of a staging directory), directories fsynced."""
 from __future__ import annotations
 
 import ctypes
 import errno
 import functools
-import io
 import os
 import shutil
-from typing import Callable, Iterable, List, Optional
-
-import crc32c as _crc32c
+from concurrent.futures import ThreadPoolExecutor
+from typing import Iterable, List, Optional
 
 from ..layout import TMP_SUFFIX
-from .base import FileRecord, Storage
+from .base import Capabilities, FileRecord, AlreadyExistsError, Sink, Stat, Storage
 
-# A test hook: called with (relpath) before every file write; it may block or raise (fault injection).
-_write_hook: Optional[Callable[[str], None]] = None
-
-
-def set_write_hook(hook: Optional[Callable[[str], None]]) -> None:
-    """Install (or clear with None) a process-wide callable run before each file write. For tests."""
-    global _write_hook
-    _write_hook = hook
+_SYNC_THREADS = 8
 
 
-class ChecksumWriter(io.RawIOBase):
-    """A write-only file object that CRC32C-checksums and counts bytes on their way to the file."""
+class _FileSink(Sink):
+    def __init__(self, final: str, atomic: bool, exclusive: bool):
+        self._final = final
+        self._path = f"{final}{TMP_SUFFIX}" if atomic else final
+        self._atomic = atomic
+        self._exclusive = exclusive
+        os.makedirs(os.path.dirname(final), exist_ok=True)
+        if exclusive and os.path.exists(final):
+            raise AlreadyExistsError(errno.EEXIST, "already exists", final)
+        self._raw = open(self._path, "wb", buffering=0)
 
-    def __init__(self, raw: io.FileIO):
-        super().__init__()
-        self._raw = raw
-        self.crc = 0
-        self.size = 0
-
-    def writable(self) -> bool:
-        return True
-
-    def write(self, data) -> int:
-        view = memoryview(data).cast("B")
-        self.crc = _crc32c.crc32c(view, self.crc)
-        total = len(view)
-        done = 0
+    def write(self, view: memoryview) -> None:
+        done, total = 0, len(view)
         while done < total:
             done += self._raw.write(view[done:])
-        self.size += total
-        return total
 
-    def flush(self) -> None:
-        pass
+    def finish(self, record: FileRecord, durable: bool) -> None:
+        if durable:
+            os.fsync(self._raw.fileno())
+        self._raw.close()
+        if self._atomic:
+            if self._exclusive:
+                try:
+                    os.link(self._path, self._final)     # fails when another writer got there first
+                except FileExistsError:
+                    raise AlreadyExistsError(errno.EEXIST, "already exists", self._final) from None
+                os.unlink(self._path)
+            else:
+                os.replace(self._path, self._final)
+
+    def abort(self) -> None:
+        try:
+            self._raw.close()
+            os.unlink(self._path)
+        except OSError:
+            pass
 
 
 class LocalStorage(Storage):
+    caps = Capabilities(rename=True, exchange=True, needs_sync=True, local=True, create_exclusive=True)
+
     def __init__(self, root: str):
         self.root = os.path.abspath(root)
 
     def path(self, relpath: str) -> str:
         return os.path.join(self.root, relpath) if relpath else self.root
 
-    def write_file(self, relpath: str, produce: Callable, *, durable: bool = True) -> FileRecord:
-        if _write_hook is not None:
-            _write_hook(relpath)
-        final = self.path(relpath)
-        tmp = f"{final}{TMP_SUFFIX}"
-        os.makedirs(os.path.dirname(final), exist_ok=True)
-        try:
-            with open(tmp, "wb", buffering=0) as raw:
-                writer = ChecksumWriter(raw)
-                produce(writer)
-                if durable:
-                    os.fsync(raw.fileno())
-            os.replace(tmp, final)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            raise
-        return FileRecord(relpath, writer.size, writer.crc)
+    local_path = path
 
-    def read_bytes(self, relpath: str) -> bytes:
-        with open(self.path(relpath), "rb") as f:
-            return f.read()
+    def child(self, relpath: str) -> "LocalStorage":
+        return LocalStorage(self.path(relpath))
+
+    def _sink(self, relpath: str, atomic: bool, exclusive: bool) -> Sink:
+        return _FileSink(self.path(relpath), atomic, exclusive)
+
+    def read(self, relpath: str, offset: int = 0, length: Optional[int] = None) -> bytes:
+        with open(self.path(relpath), "rb", buffering=0) as f:
+            if length is None:
+                f.seek(offset)
+                return f.read()
+            return os.pread(f.fileno(), length, offset)
+
+    def list(self, prefix: str = "") -> List[str]:
+        top = self.path(prefix)
+        out = []
+        for dirpath, _dirs, files in os.walk(top):
+            rel = os.path.relpath(dirpath, self.root)
+            out += [name if rel == "." else f"{rel}/{name}" for name in files]
+        return sorted(out)
+
+    def stat(self, relpath: str) -> Stat:
+        st = os.stat(self.path(relpath))
+        return Stat(st.st_size, st.st_mtime)
+
+    def isfile(self, relpath: str) -> bool:
+        return os.path.isfile(self.path(relpath))
 
     def exists(self, relpath: str) -> bool:
         return os.path.exists(self.path(relpath))
+
+    def delete_many(self, relpaths: Iterable[str]) -> None:
+        for rel in relpaths:
+            try:
+                os.unlink(self.path(rel))
+            except FileNotFoundError:
+                pass
 
     def isdir(self, relpath: str) -> bool:
         return os.path.isdir(self.path(relpath))
@@ -91,17 +109,11 @@ class LocalStorage(Storage):
     def listdir(self, relpath: str) -> List[str]:
         try:
             return sorted(os.listdir(self.path(relpath)))
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):
             return []
 
     def makedirs(self, relpath: str) -> None:
         os.makedirs(self.path(relpath), exist_ok=True)
-
-    def remove_file(self, relpath: str) -> None:
-        try:
-            os.unlink(self.path(relpath))
-        except FileNotFoundError:
-            pass
 
     def remove_tree(self, relpath: str) -> None:
         shutil.rmtree(self.path(relpath), ignore_errors=True)
@@ -111,6 +123,17 @@ class LocalStorage(Storage):
 
     def exchange(self, a: str, b: str) -> bool:
         return rename_exchange(self.path(a), self.path(b))
+
+    def sync_files(self, relpaths: Iterable[str]) -> None:
+        """fdatasync every file, on parallel threads: the kernel has been writing the pages back since
+        they were written, and one deep queue of syncs finishes sooner than one sync after each file."""
+        paths = [self.path(r) for r in relpaths]
+        if not paths:
+            return
+        with ThreadPoolExecutor(max_workers=min(_SYNC_THREADS, len(paths)),
+                                thread_name_prefix="nxd_ckpt-sync") as pool:
+            for _ in pool.map(_fdatasync, paths):
+                pass
 
     def sync_dirs(self, relpaths: Iterable[str]) -> None:
         for rel in sorted(set(relpaths)):
@@ -125,11 +148,13 @@ class LocalStorage(Storage):
             finally:
                 os.close(fd)
 
-    def size(self, relpath: str) -> int:
-        return os.path.getsize(self.path(relpath))
 
-    def mtime(self, relpath: str) -> float:
-        return os.path.getmtime(self.path(relpath))
+def _fdatasync(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fdatasync(fd)
+    finally:
+        os.close(fd)
 
 
 _RENAME_EXCHANGE = 2       # linux/fs.h

@@ -1,0 +1,102 @@
+"""The storage interface, the same assertions on every backend: POSIX, in-memory objects, shared-directory
+objects."""
+import os
+
+import crc32c
+import pytest
+
+from nxd_ckpt.storage import AlreadyExistsError, LocalStorage, ObjectStorage, open_storage
+from nxd_ckpt.storage.objects import memory_bucket
+
+
+@pytest.fixture(params=["posix", "mem", "objdir"])
+def storage(request, tmp_path):
+    if request.param == "posix":
+        return open_storage(str(tmp_path / "root"))
+    if request.param == "mem":
+        s = open_storage(f"mem://{request.node.name.replace('[', '-').rstrip(']')}/some/prefix")
+        s.bucket.page_size = 3            # listing must paginate
+        return s
+    s = open_storage(f"objdir://{tmp_path}/bucket//pre")
+    s.bucket.page_size = 3
+    return s
+
+
+def test_write_records_size_and_crc32c_of_the_bytes(storage):
+    rec = storage.write_file("a/b/c.bin", lambda f: (f.write(b"hello "), f.write(memoryview(b"world"))))
+    assert (rec.relpath, rec.size, rec.crc32c) == ("a/b/c.bin", 11, crc32c.crc32c(b"hello world"))
+    assert storage.read("a/b/c.bin") == b"hello world"
+    assert storage.read("a/b/c.bin", 6, 3) == b"wor"
+    assert storage.stat("a/b/c.bin").size == 11
+
+
+def test_listing_directories_and_deletion(storage):
+    names = [f"t/model/f{i}.pt" for i in range(7)] + ["t/done", "u/x", "top"]
+    for n in names:
+        storage.write_bytes(n, n.encode())
+    assert storage.list("t") == sorted(n for n in names if n.startswith("t/"))
+    assert storage.list("") == sorted(names)
+    assert storage.listdir("") == ["t", "top", "u"]
+    assert storage.listdir("t") == ["done", "model"]
+    assert storage.isdir("t/model") and not storage.isdir("t/done") and not storage.isdir("nope")
+    assert storage.exists("t") and storage.exists("t/done") and not storage.exists("t/missing")
+    storage.remove_tree("t")
+    assert storage.list("") == ["top", "u/x"]
+    storage.delete_many(["top", "u/x", "not/there"])
+    assert storage.list("") == []
+
+
+def test_failed_producer_leaves_nothing_under_the_key(storage):
+    storage.write_bytes("k", b"old")
+
+    def boom(f):
+        f.write(b"partial")
+        raise RuntimeError("producer failed")
+
+    with pytest.raises(RuntimeError, match="producer failed"):
+        storage.write_file("k", boom)
+    assert storage.read("k") == b"old"
+
+
+def test_exclusive_write_refuses_an_existing_key(storage):
+    storage.write_bytes("done", b"1", exclusive=True)
+    with pytest.raises(AlreadyExistsError):
+        storage.write_bytes("done", b"2", exclusive=True)
+    assert storage.read("done") == b"1"
+
+
+def test_missing_key_is_file_not_found(storage):
+    with pytest.raises(FileNotFoundError):
+        storage.read("nope")
+    with pytest.raises(FileNotFoundError):
+        storage.stat("nope")
+
+
+def test_capabilities():
+    assert LocalStorage("/tmp").caps.rename and LocalStorage("/tmp").caps.local
+    obj = open_storage("mem://caps/x")
+    assert isinstance(obj, ObjectStorage) and not obj.caps.rename and obj.local_path("a") is None
+    with pytest.raises(NotImplementedError, match="marker commit"):
+        obj.rename("a", "b")
+
+
+def test_unsupported_url_is_refused_clearly():
+    from nxd_ckpt.errors import CheckpointArgumentError
+
+    with pytest.raises(CheckpointArgumentError, match="ftp:// URL"):
+        open_storage("ftp://host/x")
+
+
+def test_posix_staging_write_is_in_place_and_synced_in_batch(tmp_path):
+    s = LocalStorage(str(tmp_path))
+    s.write_file("stage/f", lambda f: f.write(b"x" * 10), durable=False, atomic=False)
+    assert os.listdir(tmp_path / "stage") == ["f"]      # no temporary name
+    s.sync_files(["stage/f"])
+    assert (tmp_path / "stage" / "f").read_bytes() == b"x" * 10
+
+
+def test_memory_buckets_are_shared_by_name():
+    a = open_storage("mem://shared-bucket/p")
+    a.write_bytes("x", b"1")
+    assert open_storage("mem://shared-bucket/p").read("x") == b"1"
+    assert memory_bucket("shared-bucket").get("p/x") == b"1"
