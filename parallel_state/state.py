@@ -10,6 +10,7 @@ an NxD training script.
 """
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -17,7 +18,7 @@ from typing import Any, Dict, List, Optional
 
 import torch.distributed as dist
 
-from .topology import Topology
+from .topology import Topology, nxd_layout_choice
 
 NXD_MODULE = "neuronx_distributed.parallel_layers.parallel_state"
 
@@ -88,6 +89,8 @@ def _delegate_query(mod, kind: str, what: str):
     name = f"get_{kind}_parallel_{what}"
     if hasattr(mod, name):
         return _delegate_call(mod, name)
+    if kind == "context" and hasattr(mod, f"get_context_model_parallel_{what}"):   # NxD's spelling
+        return _delegate_call(mod, f"get_context_model_parallel_{what}")
     if what == "replica_groups" and hasattr(mod, f"get_{kind}_parallel_group"):
         try:
             return _delegate_call(mod, f"get_{kind}_parallel_group", as_list=True)
@@ -137,19 +140,45 @@ def _require_state() -> _State:
     return state
 
 
+def _platform_target() -> Optional[str]:
+    """torch-neuronx's platform target ("trn1", "trn2", ...), or None off Neuron hardware."""
+    try:
+        from torch_neuronx.utils import get_platform_target
+    except Exception:  # torch-neuronx is optional: not installed means not on Neuron hardware
+        return None
+    try:
+        return str(get_platform_target())
+    except Exception:  # no Neuron device visible
+        return None
+
+
+def _local_world_size(world_size: int) -> int:
+    """Ranks per node, as NxD reads it (LOCAL_WORLD_SIZE, set by torchrun; the world when unset)."""
+    try:
+        return int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    except ValueError:
+        raise ValueError(f"LOCAL_WORLD_SIZE={os.environ['LOCAL_WORLD_SIZE']!r} is not an integer") from None
+
+
 def initialize_model_parallel(
     tensor_model_parallel_size: int = 1,
     pipeline_model_parallel_size: int = 1,
     context_parallel_size: int = 1,
     expert_model_parallel_size: int = 1,
     *,
+    lnc_size: int = 1,
+    rank_layout: Optional[str] = None,
     host_timeout_s: float = 600,
 ) -> None:
     """Create the model-parallel groups. Every rank must call this, with the same arguments.
 
-    Ranks fill ``[PP, DP, CP, TP]`` row-major (TP fastest); see :mod:`parallel_state.topology`.
-    Besides one device-backend group per TP/DP/PP/CP/EP/expert-DP group, it makes gloo groups (timeout
-    ``host_timeout_s``) over the world, each DP group and each expert-DP group, for host-side coordination.
+    ``rank_layout`` places the ranks: "row_major" (``[PP, DP, CP, TP]``, TP fastest), "trn1_tp4" or "trn2"
+    (NxD's node-aware layouts; see :mod:`parallel_state.topology`, which reads ``LOCAL_WORLD_SIZE``).
+    ``None`` chooses as neuronx-distributed does: on Neuron hardware (torch-neuronx importable) "trn1_tp4"
+    for TP=4 on Trn1 and "trn2" for TP=64 with ``lnc_size=1`` or TP=32 with ``lnc_size=2`` on Trn2, else
+    "row_major". Besides one device-backend group per TP/DP/PP/CP/EP/expert-DP group, it makes gloo groups
+    (timeout ``host_timeout_s``) over the world, each DP group and each expert-DP group, for host-side
+    coordination.
     """
     global _STATE
     if not (dist.is_available() and dist.is_initialized()):
@@ -164,12 +193,16 @@ def initialize_model_parallel(
         )
     world_size = dist.get_world_size()
     rank = dist.get_rank()
+    if rank_layout is None:
+        rank_layout = nxd_layout_choice(_platform_target(), tensor_model_parallel_size, lnc_size, world_size)
     topo = Topology(
         world_size,
         tp=tensor_model_parallel_size,
         pp=pipeline_model_parallel_size,
         cp=context_parallel_size,
         ep=expert_model_parallel_size,
+        layout=rank_layout,
+        local_world_size=_local_world_size(world_size),
     )
     timeout = timedelta(seconds=host_timeout_s)
     default_is_gloo = dist.get_backend() == "gloo"
@@ -258,20 +291,32 @@ def _grid_topology(mod) -> Topology:
 
 
 def _delegate_topology(mod) -> Topology:
-    topo = _grid_topology(mod)
-    # NxD can lay ranks out differently from the row-major grid (TP=4 on trn1, trn2's "ascending-descending
-    # ring" for TP=64/32). Our file names are derived from the grid, so refuse a layout it cannot describe.
-    try:
-        theirs = _delegate_query(mod, "tensor_model", "replica_groups")
-    except Exception:
-        theirs = None
-    if theirs is not None and sorted(sorted(g) for g in theirs) != sorted(topo.tp_groups()):
-        if len(theirs) == len(topo.tp_groups()):  # compressed replica groups (one group) are not comparable
-            raise RuntimeError(
-                f"neuronx-distributed laid out its tensor-parallel groups as {theirs[:4]}..., not the row-major "
-                f"[PP, DP, CP, TP] grid ({topo.tp_groups()[:4]}...) that nxd-ckpt assumes; this layout is "
-                "not supported"
-            )
+    """NxD's layout, from its own group lists (whatever permutation they are), checked against this rank's
+    own ``get_*_rank()`` answers so that file names always agree with NxD's."""
+    grid = _grid_topology(mod)
+    lists = {}
+    for kind, short in _KINDS.items():
+        try:
+            lists[short] = _delegate_query(mod, kind, "replica_groups")
+        except Exception:  # an NxD that cannot list its groups: the row-major grid is all we know
+            return grid
+    if any(len(lists[k]) * len(lists[k][0]) != grid.world_size for k in lists if lists[k]):
+        return grid   # compressed replica groups (NEURON_EXPERIMENTAL_COMPRESS_RG lists only the first)
+    logic = getattr(getattr(mod, "_REPLICA_LOGIC", None), "name", "")
+    # NxD's "logic 2" (trn2) answers DP and PP ranks with list positions, every other rank through torch
+    # (the position in the sorted group).
+    ranked = {"dp", "pp"} if logic == "LOGIC2" else set()
+    topo = Topology.from_groups(lists, position_ranked=ranked, local_world_size=_local_world_size(grid.world_size))
+    if dist.is_available() and dist.is_initialized():
+        rank = dist.get_rank()
+        for kind, short in _KINDS.items():
+            theirs = _delegate_query(mod, kind, "rank")
+            if theirs != topo.rank_in(short, rank):
+                raise RuntimeError(
+                    f"neuronx-distributed says this rank ({rank}) has {kind} parallel rank {theirs}, but its "
+                    f"{kind} group list {topo.group_of(short, rank)} puts it at {topo.rank_in(short, rank)}; "
+                    "nxd-ckpt names files by NxD's ranks and cannot tell how this NxD counts them. Please report "
+                    "this with your NxD version and parallel sizes")
     return topo
 
 
@@ -288,9 +333,7 @@ def _query(kind: str, what: str):
     if what == "size":
         return {"tp": topo.tp, "pp": topo.pp, "dp": topo.dp, "cp": topo.cp, "ep": topo.ep, "edp": topo.edp}[short]
     if what == "rank":
-        if short in ("ep", "edp"):
-            return getattr(topo.expert_coords(state.rank), short)
-        return getattr(topo.coords(state.rank), short)
+        return topo.rank_in(short, state.rank)
     if what == "group":
         return state.groups[short]
     if what == "replica_groups":
@@ -304,6 +347,8 @@ def _group(kind: str, as_list: bool):
     mod = _delegate()
     if mod is not None:
         name = f"get_{kind}_parallel_group"
+        if kind == "context" and not hasattr(mod, name) and hasattr(mod, "get_context_model_parallel_group"):
+            name = "get_context_model_parallel_group"   # NxD's spelling
         if not hasattr(mod, name):
             raise RuntimeError(
                 f"the initialized neuronx-distributed parallel_state has no {name}(); it does not support "

@@ -226,10 +226,11 @@ class FakeGroup:
         self.name = name
 
 
-def _fake_nxd(monkeypatch, *, initialized=True, sizes=None, ranks=None, tp_groups=None, old=False, world=8):
-    """neuronx_distributed.parallel_layers.parallel_state as a fake package in sys.modules."""
+def _fake_nxd(monkeypatch, *, initialized=True, sizes=None, ranks=None, topo=None, old=False, world=8, logic=None):
+    """neuronx_distributed.parallel_layers.parallel_state as a fake package in sys.modules. Groups are those
+    of ``topo`` (default: the row-major grid of ``sizes``)."""
     sizes = sizes or {"tensor_model": 2, "pipeline_model": 2, "data": 2, "expert_model": 2, "expert_data": 1}
-    ranks = ranks or {"tensor_model": 1, "pipeline_model": 1, "data": 0, "expert_model": 1, "expert_data": 0}
+    ranks = ranks or {"tensor_model": 1, "pipeline_model": 1, "data": 1, "expert_model": 1, "expert_data": 0}
     pkg = types.ModuleType("neuronx_distributed")
     pkg.__path__ = []
     layers = types.ModuleType("neuronx_distributed.parallel_layers")
@@ -238,8 +239,11 @@ def _fake_nxd(monkeypatch, *, initialized=True, sizes=None, ranks=None, tp_group
     mod.calls = []
     mod.model_parallel_is_initialized = lambda: initialized
     kinds = ["tensor_model", "pipeline_model", "data"] + ([] if old else ["expert_model", "expert_data"])
-    topo = Topology(world, tp=sizes["tensor_model"], pp=sizes["pipeline_model"], ep=sizes.get("expert_model", 1))
-    groups = {"tensor_model": tp_groups or topo.tp_groups(), "pipeline_model": topo.pp_groups(),
+    topo = topo or Topology(world, tp=sizes["tensor_model"], pp=sizes["pipeline_model"],
+                            ep=sizes.get("expert_model", 1))
+    if logic is not None:
+        mod._REPLICA_LOGIC = types.SimpleNamespace(name=logic)
+    groups = {"tensor_model": topo.tp_groups(), "pipeline_model": topo.pp_groups(),
               "data": topo.dp_groups(), "expert_model": topo.ep_groups(), "expert_data": topo.edp_groups()}
     for kind in kinds:
         def make(kind=kind):
@@ -280,11 +284,12 @@ def _fake_nxd(monkeypatch, *, initialized=True, sizes=None, ranks=None, tp_group
 def test_delegation(no_nxd, single_rank_world, monkeypatch):
     dist = single_rank_world
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: 8)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 7)   # tp 1, pp 1, dp 1; ep 1, edp 0
     fake = _fake_nxd(monkeypatch)
     assert ps.model_parallel_is_initialized()
     assert ps.get_tensor_model_parallel_rank() == 1 and ps.get_tensor_model_parallel_size() == 2
     assert ps.get_pipeline_model_parallel_rank() == 1 and ps.get_pipeline_model_parallel_size() == 2
-    assert ps.get_data_parallel_rank() == 0 and ps.get_data_parallel_size() == 2
+    assert ps.get_data_parallel_rank() == 1 and ps.get_data_parallel_size() == 2
     assert ps.get_expert_model_parallel_rank() == 1 and ps.get_expert_model_parallel_size() == 2
     assert ps.get_expert_data_parallel_size() == 1
     assert ps.get_data_parallel_group().name == "data"
@@ -308,6 +313,7 @@ def test_delegate_wins_over_our_own_state(no_nxd, single_rank_world, monkeypatch
     ps.initialize_model_parallel()  # ours: a world of one
     assert ps.get_tensor_model_parallel_size() == 1
     monkeypatch.setattr(single_rank_world, "get_world_size", lambda group=None: 8)
+    monkeypatch.setattr(single_rank_world, "get_rank", lambda group=None: 7)
     _fake_nxd(monkeypatch)
     assert ps.get_tensor_model_parallel_size() == 2
     assert ps.get_topology() == Topology(8, tp=2, pp=2, ep=2)
@@ -325,6 +331,7 @@ def test_uninitialized_delegate_is_ignored(no_nxd, single_rank_world, monkeypatc
 
 def test_old_nxd_without_expert_parallelism(no_nxd, single_rank_world, monkeypatch):
     monkeypatch.setattr(single_rank_world, "get_world_size", lambda group=None: 8)
+    monkeypatch.setattr(single_rank_world, "get_rank", lambda group=None: 6)   # tp 0, pp 1, dp 1
     _fake_nxd(monkeypatch, old=True, sizes={"tensor_model": 2, "pipeline_model": 2, "data": 2},
               ranks={"tensor_model": 0, "pipeline_model": 1, "data": 1})
     assert ps.get_expert_model_parallel_size() == 1 and ps.get_expert_model_parallel_rank() == 0
@@ -334,13 +341,28 @@ def test_old_nxd_without_expert_parallelism(no_nxd, single_rank_world, monkeypat
     assert ps.get_expert_data_parallel_host_group().name == "data"
 
 
-def test_nxd_layout_outside_the_row_major_grid_is_refused(no_nxd, single_rank_world, monkeypatch):
-    # NxD on trn1 with TP=4 groups ranks 8 apart: [0, 8, 16, 24], ...
-    monkeypatch.setattr(single_rank_world, "get_world_size", lambda group=None: 32)
-    strided = [list(range(i, 32, 8)) for i in range(8)]
-    _fake_nxd(monkeypatch, sizes={"tensor_model": 4, "pipeline_model": 1, "data": 8, "expert_model": 1,
-                                  "expert_data": 8}, tp_groups=strided, world=32)
-    with pytest.raises(RuntimeError, match="not supported"):
+@pytest.mark.parametrize("layout, logic", [("trn1_tp4", "LOGIC1"), ("trn2", "LOGIC2")])
+def test_nxd_layouts_outside_the_row_major_grid_are_adopted(no_nxd, single_rank_world, monkeypatch, layout, logic):
+    # NxD on trn1 with TP=4 groups ranks 8 apart ([0, 8, 16, 24], ...); trn2's logic 2 pairs rows 0 and 3
+    world, tp = (64, 4) if layout == "trn1_tp4" else (128, 32)
+    theirs = Topology(world, tp=tp, layout=layout, local_world_size=world // 2)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(world // 2))
+    monkeypatch.setattr(single_rank_world, "get_world_size", lambda group=None: world)
+    rank = 33 if layout == "trn1_tp4" else 112
+    monkeypatch.setattr(single_rank_world, "get_rank", lambda group=None: rank)
+    c = theirs.coords(rank)
+    ranks = {"tensor_model": c.tp, "pipeline_model": c.pp, "data": c.dp, "expert_model": 0,
+             "expert_data": theirs.rank_in("edp", rank)}
+    sizes = {"tensor_model": tp, "pipeline_model": 1, "data": theirs.dp, "expert_model": 1, "expert_data": theirs.edp}
+    _fake_nxd(monkeypatch, sizes=sizes, ranks=ranks, topo=theirs, world=world, logic=logic)
+    got = ps.get_topology()
+    assert got == theirs and got.layout == layout
+    assert got.coords(rank) == c
+    if layout == "trn2":
+        assert c.dp == 2 and got.group_of("dp", rank) == [48, 32, 112, 96]
+    # an NxD whose answer disagrees with its own lists is not guessed at
+    _fake_nxd(monkeypatch, sizes=sizes, ranks=dict(ranks, data=c.dp + 1), topo=theirs, world=world, logic=logic)
+    with pytest.raises(RuntimeError, match="data parallel rank"):
         ps.get_topology()
 
 

@@ -212,3 +212,125 @@ def test_frozen_and_hashable():
     with pytest.raises(Exception):
         t.tp = 4
     assert t == Topology(8, tp=2) and hash(t) == hash(Topology(8, tp=2, pp=1))
+
+
+# ---- NxD's other layouts (DESIGN 2.7) ---------------------------------------------------------------
+from parallel_state.topology import nxd_layout_choice  # noqa: E402
+
+
+def test_trn1_tp4_design_example_two_nodes_of_32():
+    t = Topology(64, tp=4, layout="trn1_tp4", local_world_size=32)
+    assert t.dp == 16
+    tp = t.tp_groups()
+    assert len(tp) == 16
+    assert tp[:3] == [[0, 8, 16, 24], [1, 9, 17, 25], [2, 10, 18, 26]] and tp[7] == [7, 15, 23, 31]
+    assert tp[8] == [32, 40, 48, 56] and tp[15] == [39, 47, 55, 63]
+    dp = t.dp_groups()
+    assert dp == [list(range(0, 8)) + list(range(32, 40)), list(range(8, 16)) + list(range(40, 48)),
+                  list(range(16, 24)) + list(range(48, 56)), list(range(24, 32)) + list(range(56, 64))]
+    assert sorted(t.pp_groups()) == [[r] for r in range(64)]
+    # NxD's get_*_rank(): positions in the (sorted) groups
+    assert t.coords(8) == Coords(pp=0, dp=0, cp=0, tp=1)
+    assert t.coords(33) == Coords(pp=0, dp=9, cp=0, tp=0)
+    assert t.rank_of(0, 9, 0, 3) == 57
+    assert Topology.from_groups({k: t.groups(k) for k in KINDS}, local_world_size=32) == t
+
+
+@pytest.mark.parametrize("world, tp, pp, lws", [(64, 4, 1, 32), (64, 4, 2, 32), (128, 4, 2, 32), (8, 2, 1, 4),
+                                               (16, 2, 2, 8), (8, 4, 1, 8)])
+def test_trn1_tp4_matches_nxds_tensor_arithmetic(world, tp, pp, lws):
+    import torch
+
+    t = Topology(world, tp=tp, pp=pp, layout="trn1_tp4", local_world_size=lws)
+    dp, per = t.dp, lws // tp
+    grid = torch.arange(world).reshape(pp, dp // per, 1, tp, per).transpose(-1, -2).reshape(pp, dp, 1, tp)
+    assert t.tp_groups() == [grid[p, d, 0, :].tolist() for p in range(pp) for d in range(dp)]
+    assert t.dp_groups() == [grid[p, :, 0, q].tolist() for p in range(pp) for q in range(tp)]
+    assert t.pp_groups() == [grid[:, d, 0, q].tolist() for d in range(dp) for q in range(tp)]
+    assert t.edp_groups() == t.dp_groups() and sorted(t.ep_groups()) == [[r] for r in range(world)]
+    for r in range(world):
+        c = t.coords(r)
+        assert grid[c.pp, c.dp, 0, c.tp].item() == r
+        # TP groups stay inside a node
+        assert len({x // lws for x in t.group_of("tp", r)}) == 1
+
+
+def test_trn2_tp32_lnc2_64_and_128_ranks():
+    t = Topology(64, tp=32, layout="trn2", local_world_size=64)
+    a, b = list(range(0, 16)) + list(range(48, 64)), list(range(16, 48))
+    assert t.tp_groups() == [a, b]
+    assert t.dp_groups() == [[x, y] for x, y in zip(a, b)]
+    assert t.dp_groups()[16] == [48, 32]
+    # DP (and PP) ranks are list positions in NxD's logic 2; TP ranks positions in the sorted group
+    assert t.coords(48) == Coords(pp=0, dp=0, cp=0, tp=16) and t.coords(32) == Coords(pp=0, dp=1, cp=0, tp=16)
+    assert t.coords(47) == Coords(pp=0, dp=1, cp=0, tp=31) and t.coords(15) == Coords(pp=0, dp=0, cp=0, tp=15)
+
+    t = Topology(128, tp=32, pp=2, layout="trn2", local_world_size=64)
+    tp = t.tp_groups()
+    assert tp == [a, b, [r + 64 for r in a], [r + 64 for r in b]]
+    assert t.dp_groups()[:2] == [[0, 16], [1, 17]] and t.dp_groups()[16] == [48, 32]
+    assert t.dp_groups()[32] == [64, 80] and len(t.dp_groups()) == 64
+    merged0, merged1 = a + b, [r + 64 for r in a + b]
+    assert t.pp_groups() == [[x, y] for x, y in zip(merged0, merged1)]
+    assert t.group_of("pp", 112) == [48, 112] and t.coords(112) == Coords(pp=1, dp=0, cp=0, tp=16)
+    assert t.coords(96) == Coords(pp=1, dp=1, cp=0, tp=16)
+
+
+def test_trn2_tp64_lnc1_128_ranks_and_one_group_per_node():
+    t = Topology(128, tp=64, layout="trn2", local_world_size=128)
+    a = list(range(0, 32)) + list(range(96, 128))
+    assert t.tp_groups() == [a, list(range(32, 96))]
+    assert t.group_of("dp", 100) == [100, 68] and t.coords(100).dp == 0 and t.coords(68).dp == 1
+    # TP equal to the node: rows 0, 3, 1, 2 in one group (every rank of the node)
+    t = Topology(128, tp=64, layout="trn2", local_world_size=64)
+    assert t.tp_groups()[0] == list(range(0, 16)) + list(range(48, 64)) + list(range(16, 48))
+    assert t.tp_groups()[1] == [r + 64 for r in t.tp_groups()[0]]
+
+
+def test_trn2_small_two_nodes_of_four():
+    t = Topology(8, tp=2, layout="trn2", local_world_size=4)
+    assert t.tp_groups() == [[0, 3], [1, 2], [4, 7], [5, 6]]
+    assert t.dp_groups() == [[0, 1, 4, 5], [3, 2, 7, 6]]
+    assert [t.coords(r) for r in (3, 2)] == [Coords(0, 0, 0, 1), Coords(0, 1, 0, 1)]
+    assert Topology.from_groups({k: t.groups(k) for k in KINDS}, position_ranked={"dp", "pp"},
+                                local_world_size=4) == t
+    # the same lists read as sorted groups are a different (custom) layout
+    other = Topology.from_groups({k: t.groups(k) for k in KINDS}, local_world_size=4)
+    assert other.layout == "custom" and other.coords(3).dp == 1
+
+
+def test_custom_groups_and_bad_groups():
+    tp = [[0, 5], [1, 4], [2, 7], [3, 6]]
+    groups = {"tp": tp, "dp": [[0, 1, 2, 3], [4, 5, 6, 7]], "pp": [[r] for r in range(8)],
+              "cp": [[r] for r in range(8)], "ep": [[r] for r in range(8)], "edp": [[0, 1, 2, 3], [4, 5, 6, 7]]}
+    t = Topology.from_groups(groups)
+    assert t.layout == "custom" and (t.tp, t.dp) == (2, 4)
+    assert t.coords(5) == Coords(0, 1, 0, 1) and t.rank_of(0, 1, 0, 1) == 5
+    with pytest.raises(ValueError, match="two groups"):
+        Topology.from_groups(dict(groups, tp=[[0, 5], [1, 5], [2, 7], [3, 6]]))
+    with pytest.raises(ValueError, match="unknown rank layout"):
+        Topology(8, layout="zigzag")
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    (dict(world_size=8, tp=4, layout="trn1_tp4", local_world_size=4, ep=2), ["expert"]),
+    (dict(world_size=8, tp=2, layout="trn1_tp4", local_world_size=3), ["LOCAL_WORLD_SIZE=3"]),
+    (dict(world_size=32, tp=4, pp=2, layout="trn1_tp4", local_world_size=32), ["DP=4", "LOCAL_WORLD_SIZE/TP=8"]),
+    (dict(world_size=8, tp=1, layout="trn2", local_world_size=4), ["TP=1", "LOCAL_WORLD_SIZE=4"]),
+])
+def test_layout_preconditions(kwargs, words):
+    with pytest.raises(ValueError) as info:
+        Topology(**kwargs)
+    for w in words:
+        assert w in str(info.value)
+
+
+def test_nxd_layout_choice():
+    assert nxd_layout_choice("trn1", 4, 1, 64) == "trn1_tp4"
+    assert nxd_layout_choice("trn1", 8, 1, 64) == "row_major"
+    assert nxd_layout_choice("trn2", 64, 1, 128) == "trn2"
+    assert nxd_layout_choice("trn2", 32, 2, 64) == "trn2"
+    assert nxd_layout_choice("trn2", 32, 2, 32) == "row_major"   # NxD falls back below 64 ranks with LNC=2
+    assert nxd_layout_choice("trn2", 32, 1, 128) == "row_major"
+    assert nxd_layout_choice("trn2", 4, 2, 64) == "row_major"
+    assert nxd_layout_choice(None, 4, 1, 64) == "row_major"
