@@ -78,7 +78,7 @@ def finalize_checkpoint(timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
 
 
 def load_checkpoint(path, tag=None, model=None, optimizer=None, scheduler=None, num_workers=8, strict=True,
-                    ignore_keys=None, *, trusted: bool = False, node_local: bool = False):
+                    ignore_keys=None, *, trusted: bool = False, node_local: bool = False, reshard: bool = True):
     """Load ``path/tag`` (newest complete when ``tag`` is None) into the given objects; return the saved
     user_content or None. Every rank calls it; ranks exchange shares over a host gloo group.
 
@@ -86,10 +86,14 @@ def load_checkpoint(path, tag=None, model=None, optimizer=None, scheduler=None, 
     With ``tag=None`` a damaged checkpoint is skipped with a warning and the next newest one is used.
     Pickles are loaded with ``weights_only=True`` unless ``trusted=True``. Each file of a DP-replicated
     shard is read by one replica and broadcast to the others, unless ``node_local=True`` (every node holds
-    its own copy of the checkpoint on local disk: each rank reads its own files).
+    its own copy of the checkpoint on local disk: each rank reads its own files). A checkpoint saved at
+    other TP / PP / ZeRO-1 DP sizes is resharded into this job's sizes (needs ``model``); ``reshard=False``
+    refuses it with TopologyMismatchError instead.
     """
     if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
         raise CheckpointArgumentError(f"num_workers must be a positive int, got {num_workers!r}")
+    if not isinstance(reshard, bool):
+        raise CheckpointArgumentError(f"reshard must be True or False, got {reshard!r}")
     if not os.path.isdir(os.fspath(path)):
         raise CheckpointNotFoundError(f"checkpoint directory {os.fspath(path)!r} does not exist")
     storage = open_storage(path)
@@ -101,7 +105,7 @@ def load_checkpoint(path, tag=None, model=None, optimizer=None, scheduler=None, 
         engine.loading.add(candidate)
         try:
             return _load_one(storage, candidate, world, model, optimizer, scheduler, num_workers, strict,
-                             ignore_keys, trusted, node_local)
+                             ignore_keys, trusted, node_local, reshard)
         except CorruptCheckpointError as exc:
             if tag is not None:
                 raise
@@ -115,10 +119,11 @@ def load_checkpoint(path, tag=None, model=None, optimizer=None, scheduler=None, 
 
 
 def _load_one(storage, tag, world, model, optimizer, scheduler, num_workers, strict, ignore_keys, trusted,
-              node_local):
+              node_local, reshard):
     state = read_tag(storage, tag, world, want_model=model is not None, want_optim=optimizer is not None,
                      want_scheduler=scheduler is not None, num_workers=num_workers, trusted=trusted,
-                     mapped=copies_every_tensor(model, optimizer), node_local=node_local)
+                     mapped=copies_every_tensor(model, optimizer), node_local=node_local, model=model,
+                     optimizer=optimizer, reshard=reshard)
     error = None
     try:
         patterns = apply_ignore_keys(state, ignore_keys)

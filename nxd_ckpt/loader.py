@@ -13,7 +13,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Union
 
 import torch
 
-from . import commit, errors, hostgroups, layout
+from . import commit, errors, hostgroups, layout, reshard_load
 from .errors import (CheckpointNotFoundError, CorruptCheckpointError, StateMismatchError,
                      TopologyMismatchError)
 from .plan import model_filename, optim_filename, replica_groups
@@ -102,6 +102,8 @@ def check_topology(tag: str, saved: dict, world: World, loading_optim: bool) -> 
     else:
         hint += ("relaunch with the saved sizes, or merge the TP/PP shards into one full model with `nxd-ckpt "
                  f"export <dir>/{tag} --output <hf_dir>` and load that into the new layout")
+    if saved.get("ep", 1) == topo.ep == 1:
+        hint += "; or let load_checkpoint reshard it at load time (reshard=True, the default)"
     raise TopologyMismatchError(
         f"checkpoint {tag!r} was saved at {was}{' with ZeRO-1' if saved.get('zero1') else ''} and this job runs "
         f"{now} ({', '.join(p.upper() for p in problems)} differ{'s' if len(problems) == 1 else ''}). {hint}.")
@@ -174,13 +176,16 @@ def _manifest_of(storage: Storage, tag: str) -> Optional[dict]:
 
 def read_tag(storage: Storage, tag: str, world: World, *, want_model: bool, want_optim: bool,
              want_scheduler: bool, num_workers: int, trusted: bool, mapped: bool = False,
-             node_local: bool = False) -> dict:
+             node_local: bool = False, model=None, optimizer=None, reshard: bool = False) -> dict:
     """Every rank: read this rank's state of ``tag`` into host memory, verified. If any rank fails
     (damage, missing shard, topology), every rank raises, after agreeing; nothing has been changed.
     ``mapped``: large tensor files may be returned memory-mapped (see ``copies_every_tensor``).
-    ``node_local``: every rank reads all of its own files (no sharing between DP replicas)."""
+    ``node_local``: every rank reads all of its own files (no sharing between DP replicas).
+    ``reshard``: a checkpoint saved at other TP/PP/DP sizes is resharded into this job's (reshard_load.py,
+    which needs ``model`` and, for the optimizer, ``optimizer``); else such a checkpoint is refused."""
     state: Dict[str, object] = {}
     error: Optional[BaseException] = None
+    resharding = False
     try:
         manifest = _manifest_of(storage, tag)
         if manifest is None and commit.expects_manifest(storage, tag):
@@ -192,14 +197,38 @@ def read_tag(storage: Storage, tag: str, world: World, *, want_model: bool, want
                 "was copied in from neuronx-distributed, move it to a directory of its own to load it without "
                 "checksums", path=rel)
         saved = saved_topology(storage, tag, manifest)
-        check_topology(tag, saved, world, want_optim)
-        reader = FileReader(storage, tag, manifest, trusted, mapped=mapped)
-        state = _read_parts(reader, saved, world, want_model, want_optim, want_scheduler, num_workers, node_local)
+        resharding = reshard and reshard_load.needs_reshard(saved, world, want_optim)
+        if resharding:
+            reshard_load.check_reshardable(tag, saved, world, model is not None, want_optim)
+        else:
+            check_topology(tag, saved, world, want_optim)
+            reader = FileReader(storage, tag, manifest, trusted, mapped=mapped)
+            state = _read_parts(reader, saved, world, want_model, want_optim, want_scheduler, num_workers, node_local)
         state["manifest"], state["saved"] = manifest, saved
     except Exception as exc:  # noqa: BLE001 - every failure must be agreed on before anyone raises
         error = exc
     agree(error)
+    if resharding:
+        return _read_resharded(storage, tag, state, world, model, optimizer, want_model, want_scheduler, trusted)
     _share(state, world)
+    return state
+
+
+def _read_resharded(storage: Storage, tag: str, state: dict, world: World, model, optimizer, want_model: bool,
+                    want_scheduler: bool, trusted: bool) -> dict:
+    """Every rank (one all-gather, then reads agreed on): this rank's state resharded to the job's sizes."""
+    saved = state["saved"]
+    reshard_load.log_resharding(saved, world)
+    target = reshard_load.target_of(model, world)
+    error: Optional[BaseException] = None
+    try:
+        reader = FileReader(storage, tag, state["manifest"], trusted)
+        state.update(reshard_load.read_resharded(reader, state["manifest"], saved, target, want_model=want_model,
+                                                 optimizer=optimizer))
+        state.update(_read_parts(reader, saved, world, False, False, want_scheduler, 1, True))
+    except Exception as exc:  # noqa: BLE001 - agreed on before anyone raises
+        error = exc
+    agree(error)
     return state
 
 

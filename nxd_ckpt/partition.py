@@ -118,6 +118,35 @@ def split_tp_all(full: torch.Tensor, part: Optional[Partition], tp: int, name: s
     return [split_tp(full, part, tp, r, name) for r in range(tp)]
 
 
+def tp_overlaps(length: int, part: Partition, src_tp: int, src_rank: int, dst_tp: int,
+                dst_rank: int) -> List[Tuple[int, int, int]]:
+    """Where TP rank ``src_rank`` of ``src_tp`` and rank ``dst_rank`` of ``dst_tp`` share rows of a tensor whose
+    full length along ``part.dim`` is ``length``: (offset in the source shard, offset in the destination
+    shard, rows) runs, one per stride block at most. Empty: the destination needs nothing from that source."""
+    blocks = length // part.stride
+    if length % part.stride or blocks % src_tp or blocks % dst_tp:
+        raise PartitionError(f"{length} rows along dim {part.dim} do not split into partition_stride {part.stride} "
+                             f"x TP={src_tp} (or TP={dst_tp}) equal blocks")
+    bs, bd = blocks // src_tp, blocks // dst_tp
+    out = []
+    for k in range(part.stride):
+        a0, b0 = k * blocks + src_rank * bs, k * blocks + dst_rank * bd
+        lo, hi = max(a0, b0), min(a0 + bs, b0 + bd)
+        if lo < hi:
+            out.append((k * bs + lo - a0, k * bd + lo - b0, hi - lo))
+    return out
+
+
+def copy_tp_overlap(dst: torch.Tensor, src: torch.Tensor, part: Partition, src_tp: int, src_rank: int,
+                    dst_tp: int, dst_rank: int) -> None:
+    """Copy into ``dst`` (TP rank ``dst_rank`` of ``dst_tp``'s shard) the rows it shares with ``src`` (rank
+    ``src_rank`` of ``src_tp``): resharding one source shard at a time, without the full tensor."""
+    part = part.normalised(src.dim())
+    length = src.shape[part.dim] * src_tp
+    for so, do, n in tp_overlaps(length, part, src_tp, src_rank, dst_tp, dst_rank):
+        dst.narrow(part.dim, do, n).copy_(src.narrow(part.dim, so, n))
+
+
 # --- ZeRO-1 ---------------------------------------------------------------------------------------------
 def rows_tail(shape: Sequence[int]) -> Tuple[int, tuple]:
     """(rows, trailing shape) of a tensor as ZeRO-1 sees it: rows along dim 0; a 0-d tensor is one row."""
@@ -200,5 +229,5 @@ def assign_stages(names: Sequence[str], pp: int) -> Dict[str, int]:
 
 
 __all__ = ["Partition", "PartitionError", "join_tp", "split_tp", "split_tp_all", "tp_shard_shape", "zero1_shard",
-           "zero1_shard_all", "zero1_unshard", "zero1_piece_shape", "rows_tail", "piece_rows", "merge_tp", "layer_index",
+           "zero1_shard_all", "zero1_unshard", "zero1_piece_shape", "rows_tail", "piece_rows", "merge_tp", "layer_index", "tp_overlaps", "copy_tp_overlap",
            "assign_stages"]

@@ -77,6 +77,8 @@ def parse_args(argv=None):
     p.add_argument("--crash-write-delay", type=float, default=2.0,
                    help="seconds each file write of the crash step's save is held back (keeps it in flight)")
     p.add_argument("--dump-final", default=None, help="each rank writes its final model+optimizer state to FILE.rank<r>.pt")
+    p.add_argument("--dump-loaded", default=None,
+                   help="right after resuming, each rank writes its loaded model+optimizer state to FILE.rank<r>.pt")
     p.add_argument("--dump-logits", default=None,
                    help="at the end, a forward pass over LOGITS_TOKENS; global rank of the last stage's first TP/DP "
                         "rank writes {'tokens', 'logits'} to FILE")
@@ -564,6 +566,9 @@ def main(argv=None):
         t0 = time.monotonic()
         uc = nxd_ckpt.load_checkpoint(args.ckpt_dir, model=model, optimizer=opt, scheduler=sched)
         torch_xla.sync()   # materialize the loaded values: the next step's graph is then the same as in a fresh run
+        if args.dump_loaded:
+            torch.save({"model": cpu_state(model.state_dict()), "optim": cpu_state(opt.state_dict())},
+                       f"{args.dump_loaded}.rank{rank}.pt")
         start_step, data_pos = int(uc["step"]), int(uc["data_pos"])
         resumed_from = uc.get("tag", resumed_from)
         say(f"resumed from {resumed_from} (step {start_step}, data position {data_pos}) in "

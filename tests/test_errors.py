@@ -262,7 +262,7 @@ def _load_tp4(rank, world, root):
     ps.initialize_model_parallel(tensor_model_parallel_size=4)
     model = TinyShard(ps.get_tensor_model_parallel_rank())
     try:
-        nxd_ckpt.load_checkpoint(root, model=model)
+        nxd_ckpt.load_checkpoint(root, model=model, reshard=False)
     except nxd_ckpt.TopologyMismatchError as exc:
         return str(exc)
     return None
@@ -276,7 +276,7 @@ def _load_dp2_zero1(rank, world, root):
     opt = ZeroOneAdam(model.parameters(), dp_group=ps.get_data_parallel_host_group(),
                       dp_rank=ps.get_data_parallel_rank(), dp_size=ps.get_data_parallel_size())
     try:
-        nxd_ckpt.load_checkpoint(root, model=model, optimizer=opt)
+        nxd_ckpt.load_checkpoint(root, model=model, optimizer=opt, reshard=False)
     except nxd_ckpt.TopologyMismatchError as exc:
         return str(exc)
     return None
@@ -289,7 +289,8 @@ def test_topology_mismatch_names_both_and_the_tool(tmp_path):
     for m in msgs:
         assert m is not None
         assert "saved at TP=2 PP=1 DP=4" in m and "runs TP=4 PP=1 DP=2" in m and "TP differs" in m
-        assert "`nxd-ckpt export <dir>/s --output <hf_dir>`" in m
+        assert "`nxd-ckpt export <dir>/s --output <hf_dir>`" in m and "reshard=True" in m
     msgs = run_ranks(_load_dp2_zero1, 4, root, timeout=120)   # TP=2 DP=2: model fits, ZeRO-1 state does not
     for m in msgs:
         assert m is not None and "DP differs" in m and "nxd-ckpt convert-zero1" in m and "--dp_size 2" in m
+        assert "reshard=True" in m

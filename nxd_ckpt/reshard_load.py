@@ -1,0 +1,388 @@
+"""Load-time resharding: read a checkpoint saved at other TP / PP / (ZeRO-1) DP sizes into this job's layout.
+
+Called by loader.read_tag on every rank when the saved sizes differ from the job's and the caller allowed it
+(``load_checkpoint(..., reshard=True)``, the default). Each rank builds its own new shard of every tensor:
+
+- model tensors: for each key of the caller's model (its local state dict: a pipeline stage's keys), the
+  source stage that holds the key, and of that stage only the source TP shards whose rows overlap this rank's
+  new rows, each copied into place and dropped before the next is read (partition.copy_tp_overlap);
+- ZeRO-1 optimizer state (moments, master weights): per parameter, the source TP-local tensor is rebuilt from
+  its DP pieces, its overlap copied into this rank's new TP-local tensor, which is then cut into this rank's
+  new DP piece; ``step`` and other non-sharded entries are copied;
+- a plain optimizer's per-parameter state follows its parameter (resharded like it when it has its shape);
+- scheduler and user content are read as they are.
+
+Which optimizer index is which parameter: the saved model shard's parameter keys in order (source) and the
+caller's ``model.named_parameters()`` (target), which must be the optimizer's parameters in that order. The
+partition of a tensor is the one recorded in the manifest or ``.info.pt``, else the caller's parameter's NxD
+attributes (``tensor_model_parallel`` / ``partition_dim`` / ``partition_stride``).
+
+Only files this rank needs are read (a ref pickle is small; tensor files are read one at a time), so peak host
+memory is about this rank's new shard plus the source tensors of one parameter. Nothing is changed here: the
+result has the shape of loader._read_parts' and is checked and applied by the caller.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+
+import xser
+
+from . import hostgroups, layout
+from .errors import StateMismatchError, TopologyMismatchError
+from .partition import Partition, PartitionError, copy_tp_overlap, tp_overlaps, zero1_shard, zero1_unshard
+from .reader import FileReader
+from .world import World
+
+log = logging.getLogger("nxd_ckpt")
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """The parallel sizes resharding works between (ZeRO-1 ``dp`` is the number of optimizer pieces)."""
+
+    tp: int
+    pp: int
+    dp: Optional[int]
+
+    def describe(self) -> str:
+        return f"TP={self.tp} PP={self.pp} DP={self.dp if self.dp is not None else '?'}"
+
+
+def needs_reshard(saved: dict, world: World, loading_optim: bool) -> bool:
+    """True when the checkpoint's TP or PP size, or (loading a ZeRO-1 optimizer) its DP size, differ from the
+    job's. EP must match (checked by loader.check_topology)."""
+    topo = world.topology
+    if saved.get("tp", 1) != topo.tp or saved.get("pp", 1) != topo.pp:
+        return True
+    return bool(loading_optim and saved.get("zero1") and saved.get("zero1_shards") not in (None, topo.dp))
+
+
+def check_reshardable(tag: str, saved: dict, world: World, has_model: bool, loading_optim: bool) -> None:
+    """Raise, before anything is read, when this load cannot be resharded."""
+    topo = world.topology
+    if saved.get("ep", 1) != 1 or topo.ep != 1 or topo.cp != 1:
+        raise TopologyMismatchError(
+            f"checkpoint {tag!r} (EP={saved.get('ep', 1)}) cannot be resharded into this job (EP={topo.ep}, "
+            f"CP={topo.cp}): load-time resharding handles TP, PP and DP with EP=1 and CP=1; relaunch with the saved sizes")
+    if not has_model:
+        raise TopologyMismatchError(
+            f"checkpoint {tag!r} was saved at other parallel sizes; resharding needs the model (model=, an "
+            "nn.Module or a dict of this rank's tensors) to know which keys this rank holds and how they are split")
+
+
+# --- source files -----------------------------------------------------------------------------------
+class SourceShard:
+    """One saved shard file: its ref data (small for xser shards) and its tensors, loaded on demand."""
+
+    def __init__(self, reader: FileReader, relpath: str, manifest: Optional[dict]):
+        self.reader, self.relpath = reader, relpath
+        self.ref = reader.load_pickle(relpath)
+        meta = (manifest or {}).get("tensors", {}).get(relpath)
+        self.meta: Dict[int, dict] = {int(t): m for t, m in meta.items()} if meta else {}
+        if not self.meta and reader.exists(layout.info_path(relpath)):
+            self.meta = {int(t): dict(m) for t, m in reader.load_pickle(layout.info_path(relpath)).items()}
+
+    def load(self, obj) -> torch.Tensor:
+        if isinstance(obj, xser.TensorReference):
+            return self.reader.load_tensor(layout.tensor_path(self.relpath, obj.tid))
+        return obj
+
+    def partition(self, obj) -> Optional[Partition]:
+        if isinstance(obj, xser.TensorReference):
+            return Partition.from_attrs(self.meta.get(obj.tid))
+        return Partition.of_param(obj)
+
+    def shape(self, obj) -> tuple:
+        if isinstance(obj, xser.TensorReference):
+            m = self.meta.get(obj.tid)
+            if m is not None:
+                return tuple(int(d) for d in m["shape"])
+            return tuple(self.load(obj).shape)
+        return tuple(obj.shape)
+
+
+@dataclass
+class Source:
+    """The saved checkpoint, opened lazily: shard files by (folder, dp, tp, pp)."""
+
+    reader: FileReader
+    manifest: Optional[dict]
+    sizes: Sizes
+    _shards: Dict[tuple, SourceShard] = field(default_factory=dict)
+
+    def shard(self, folder: str, dp: int, tp: int, pp: int) -> SourceShard:
+        key = (folder, dp, tp, pp)
+        if key not in self._shards:
+            rel = f"{folder}/{layout.shard_filename(dp, tp, pp)}"
+            if not self.reader.exists(rel):
+                raise StateMismatchError(f"checkpoint {self.reader.tag!r} has no {rel}; it is needed to reshard "
+                                         f"from {self.sizes.describe()}")
+            self._shards[key] = SourceShard(self.reader, rel, self.manifest)
+        return self._shards[key]
+
+    def model(self, tp: int, pp: int) -> SourceShard:
+        return self.shard(layout.MODEL_DIR, 0, tp, pp)
+
+    def stage_of_keys(self) -> Dict[str, int]:
+        """key -> the (first) source stage whose model shard holds it."""
+        out: Dict[str, int] = {}
+        for p in range(self.sizes.pp):
+            for k in self.model(0, p).ref:
+                out.setdefault(k, p)
+        return out
+
+
+# --- targets ----------------------------------------------------------------------------------------
+@dataclass
+class Target:
+    """What this rank's new shard looks like, from the caller's model: keys, shapes, partitions."""
+
+    tp: int
+    tp_rank: int
+    dp: int
+    dp_rank: int
+    shapes: Dict[str, tuple]                       # every key of the local state dict
+    params: List[str]                              # parameter keys, in optimizer index order
+    partitions: Dict[str, Optional[Partition]]     # from the caller's parameters' NxD attributes
+    all_params: frozenset                          # parameter keys of every stage (gathered)
+    param_ids: List[int]                           # id() of each parameter, to match a torch optimizer's
+
+
+def target_of(model, world: World) -> Target:
+    """Every rank (collective: one all-gather of parameter names over the host group)."""
+    if isinstance(model, torch.nn.Module):
+        sd = model.local_state_dict() if hasattr(model, "local_state_dict") else model.state_dict()
+        named = list(model.named_parameters())
+    else:
+        sd = model
+        named = [(k, v) for k, v in model.items() if isinstance(v, torch.Tensor)]
+    shapes = {k: tuple(v.shape) for k, v in sd.items() if isinstance(v, torch.Tensor)}
+    params = [k for k, _ in named]
+    gathered = hostgroups.all_gather_objects(params) if world.distributed else [params]
+    c = world.topology.coords(world.rank)
+    return Target(world.topology.tp, c.tp, world.topology.dp, c.dp, shapes, params,
+                  {k: Partition.of_param(v) for k, v in named}, frozenset(k for ps in gathered for k in ps),
+                  [id(v) for _, v in named])
+
+
+# --- one tensor -------------------------------------------------------------------------------------
+def _partition_of(key: str, recorded: Optional[Partition], target: Target) -> Optional[Partition]:
+    return recorded if recorded is not None else target.partitions.get(key)
+
+
+def reshard_tensor(key: str, src_shape: tuple, part: Optional[Partition], dst_shape: tuple, src_tp: int,
+                   load: Callable[[int], torch.Tensor], target: Target) -> torch.Tensor:
+    """This rank's new TP shard of ``key``, from the source TP shards ``load(r)`` that overlap it (each read,
+    copied and dropped in turn). A tensor without a partition is replicated: read from source rank 0."""
+    if part is None:
+        if src_shape != dst_shape:
+            raise _NoPartition(f"{key} (saved TP shard {src_shape}, this rank's {dst_shape})")
+        return load(0)
+    part = part.normalised(len(src_shape), key)
+    length = src_shape[part.dim] * src_tp
+    want = tuple(length // target.tp if i == part.dim else d for i, d in enumerate(src_shape))
+    if length % (target.tp * part.stride) or want != dst_shape:
+        raise StateMismatchError(
+            f"{key}: the saved tensor ({length} rows along partition dim {part.dim}, stride {part.stride}) splits "
+            f"into TP={target.tp} shards of {want}, but this rank's tensor is {dst_shape}; build the model with "
+            "the saved sizes (hidden, heads, vocab) at the new TP degree")
+    out: Optional[torch.Tensor] = None
+    for r in range(src_tp):
+        if not tp_overlaps(length, part, src_tp, r, target.tp, target.tp_rank):
+            continue
+        piece = load(r)
+        if out is None:
+            out = torch.empty(dst_shape, dtype=piece.dtype)
+        copy_tp_overlap(out, piece, part, src_tp, r, target.tp, target.tp_rank)
+        del piece
+    return out
+
+
+class _NoPartition(StateMismatchError):
+    """A tensor whose shape changes with TP has no partition attributes, recorded or on the parameter."""
+
+
+# --- model ------------------------------------------------------------------------------------------
+def read_model(src: Source, target: Target) -> dict:
+    """This rank's new model state dict (the caller's keys that the checkpoint has). Every key that lacks
+    partition information is named in one error."""
+    stage_of = src.stage_of_keys()
+    out, unsplit = {}, []
+    for key, dst_shape in target.shapes.items():
+        p = stage_of.get(key)
+        if p is None:
+            continue          # check_model reports missing keys under strict=True
+        first = src.model(0, p)
+        obj = first.ref[key]
+        part = _partition_of(key, first.partition(obj), target)
+        try:
+            out[key] = reshard_tensor(key, first.shape(obj), part, dst_shape, src.sizes.tp,
+                                      lambda r: src.model(r, p).load(src.model(r, p).ref[key]), target)
+        except _NoPartition as exc:
+            unsplit.append(str(exc))
+    if unsplit:
+        raise StateMismatchError(
+            f"checkpoint {src.reader.tag!r} was saved at TP={src.sizes.tp} and records no partition dims for "
+            f"{len(unsplit)} tensor(s) whose shape differs at TP={target.tp}, and the model's parameters do not "
+            f"say how they are split either: {'; '.join(unsplit[:10])}. Set NxD's attributes on those parameters "
+            "(tensor_model_parallel=True, partition_dim, partition_stride; NxD's parallel layers do), or load at "
+            "the saved TP size")
+    return out
+
+
+def _param_index(src: Source, target: Target) -> Dict[str, Tuple[int, int]]:
+    """key -> (source stage, optimizer index in that stage): a stage's parameters are its model keys that are
+    parameters (of any stage of the caller's model), in saved order."""
+    out = {}
+    for p in range(src.sizes.pp):
+        params = [k for k in src.model(0, p).ref if k in target.all_params]
+        for j, k in enumerate(params):
+            out[k] = (p, j)
+    return out
+
+
+# --- optimizer ----------------------------------------------------------------------------------------
+def read_optimizer(src: Source, target: Target, index: Dict[str, Tuple[int, int]], zero1: bool, optimizer) -> dict:
+    _check_optimizer_order(optimizer, target, zero1)
+    missing = [k for k in target.params if k not in index]
+    if missing:
+        raise StateMismatchError(f"the checkpoint has no optimizer state for parameters {missing[:5]}: they are not "
+                                 "in its model shards; load the optimizer of a checkpoint saved from this model")
+    groups = _param_groups(src, optimizer)
+    if zero1:
+        return _read_zero1(src, target, index, groups)
+    return _read_plain(src, target, index, groups)
+
+
+def _check_optimizer_order(optimizer, target: Target, zero1: bool) -> None:
+    """The new optimizer's index i must be the model's i-th parameter (named_parameters order)."""
+    if isinstance(optimizer, torch.optim.Optimizer):
+        ids = [id(q) for g in optimizer.param_groups for q in g["params"]]
+        if ids != target.param_ids:
+            raise StateMismatchError(
+                "the optimizer's parameters are not the model's parameters in named_parameters() order; resharding "
+                "maps optimizer state to parameters by that order: build the optimizer over model.parameters()")
+        return
+    sd = optimizer if isinstance(optimizer, dict) else optimizer.state_dict()
+    shapes = sd.get("shape_info") if zero1 and isinstance(sd, dict) else None
+    if shapes is None:
+        return
+    have = [tuple(shapes[i]) for i in sorted(shapes)]
+    want = [target.shapes[k] for k in target.params]
+    if have != want:
+        raise StateMismatchError(
+            f"the optimizer's parameter shapes {have[:6]}... are not the model's parameters in named_parameters() "
+            f"order {want[:6]}...; resharding maps optimizer state to parameters by that order: build the optimizer "
+            "over model.parameters()")
+
+
+def _param_groups(src: Source, optimizer) -> List[dict]:
+    """The optimizer's own param_groups (its ``params`` lists) with the saved hyperparameters."""
+    saved = src.shard(layout.OPTIM_DIR, 0, 0, 0).ref.get("param_groups", [])
+    mine = optimizer.state_dict()["param_groups"] if hasattr(optimizer, "state_dict") else optimizer.get("param_groups", saved)
+    if len(saved) != len(mine):
+        raise StateMismatchError(f"the checkpoint's optimizer has {len(saved)} param groups, this optimizer "
+                                 f"{len(mine)}; build it with the same groups")
+    return [dict(s, params=list(m["params"])) for s, m in zip(saved, mine)]
+
+
+def _read_zero1(src: Source, target: Target, index, groups) -> dict:
+    base, shapes, masters = {}, {}, {}
+    has_masters = "sharded_master_weights" in src.shard(layout.OPTIM_DIR, 0, 0, 0).ref
+    for i, key in enumerate(target.params):
+        p, j = index[key]
+        first = src.model(0, p)
+        part = _partition_of(key, first.partition(first.ref[key]), target)
+        dst_shape = target.shapes[key]
+
+        def local(path, r, p=p, key=key):
+            """Source TP rank r's whole TP-local tensor at ``path``, joined from its DP pieces."""
+            shards = [src.shard(layout.OPTIM_DIR, d, r, p) for d in range(src.sizes.dp)]
+            info = tuple(shards[0].ref["shape_info"][path[1]])
+            parts = [sh.load(_get(sh.ref, path)) for sh in shards]
+            return zero1_unshard(parts, info, f"{key} {'/'.join(map(str, path))}")
+
+        info0 = tuple(src.shard(layout.OPTIM_DIR, 0, 0, p).ref["shape_info"][j])
+        entry = {}
+        for name, v in src.shard(layout.OPTIM_DIR, 0, 0, p).ref["base_state"][j].items():
+            if name == "step" or not isinstance(v, (torch.Tensor, xser.TensorReference)):
+                entry[name] = src.shard(layout.OPTIM_DIR, 0, 0, p).load(v) if name == "step" else v
+                continue
+            full = reshard_tensor(key, info0, part, dst_shape, src.sizes.tp,
+                                  lambda r, name=name: local(("base_state", j, name), r), target)
+            entry[name] = zero1_shard(full, target.dp_rank, target.dp)
+        base[i], shapes[i] = entry, torch.Size(dst_shape)
+        if has_masters:
+            full = reshard_tensor(key, info0, part, dst_shape, src.sizes.tp,
+                                  lambda r: local(("sharded_master_weights", j), r), target)
+            masters[i] = zero1_shard(full, target.dp_rank, target.dp)
+    out = {"state": {}, "param_groups": groups, "base_state": base, "shape_info": shapes}
+    if has_masters:
+        out["sharded_master_weights"] = masters
+    return out
+
+
+def _get(obj, path):
+    for k in path:
+        obj = obj[k]
+    return obj
+
+
+def _read_plain(src: Source, target: Target, index, groups) -> dict:
+    state = {}
+    for i, key in enumerate(target.params):
+        p, j = index[key]
+        first = src.model(0, p)
+        part = _partition_of(key, first.partition(first.ref[key]), target)
+        saved = src.shard(layout.OPTIM_DIR, 0, 0, p).ref.get("state", {}).get(j)
+        if saved is None:
+            continue    # no state yet for this parameter (never stepped)
+        src_shape = first.shape(first.ref[key])
+        entry = {}
+        for name, v in saved.items():
+            if isinstance(v, (torch.Tensor, xser.TensorReference)) and \
+                    src.shard(layout.OPTIM_DIR, 0, 0, p).shape(v) == src_shape and len(src_shape) > 0:
+                entry[name] = reshard_tensor(
+                    key, src_shape, part, target.shapes[key], src.sizes.tp,
+                    lambda r, name=name: src.shard(layout.OPTIM_DIR, 0, r, p).load(
+                        src.shard(layout.OPTIM_DIR, 0, r, p).ref["state"][j][name]), target)
+            else:
+                entry[name] = src.shard(layout.OPTIM_DIR, 0, 0, p).load(v)
+        state[i] = entry
+    return {"state": state, "param_groups": groups}
+
+
+# --- entry point ------------------------------------------------------------------------------------
+def saved_sizes(saved: dict) -> Sizes:
+    return Sizes(int(saved.get("tp", 1)), int(saved.get("pp", 1)), saved.get("zero1_shards") or saved.get("dp"))
+
+
+def read_resharded(reader: FileReader, manifest: Optional[dict], saved: dict, target: Target, *, want_model: bool,
+                   optimizer=None) -> dict:
+    """This rank's model state dict ("model") and optimizer state ("optim", when ``optimizer`` is given) at the
+    job's sizes, from a checkpoint saved at ``saved``'s sizes. No collectives (``target`` was gathered by the
+    caller); raises StateMismatchError / PartitionError naming the key that cannot be resharded."""
+    src = Source(reader, manifest, saved_sizes(saved))
+    out: Dict[str, object] = {}
+    try:
+        if want_model:
+            out["model"] = read_model(src, target)
+        if optimizer is not None:
+            zero1 = bool(saved.get("zero1"))
+            if zero1 and not src.sizes.dp:
+                raise StateMismatchError(f"checkpoint {reader.tag!r}: the number of ZeRO-1 optimizer shards is unknown")
+            out["optim"] = read_optimizer(src, target, _param_index(src, target), zero1, optimizer)
+    except PartitionError as exc:
+        raise StateMismatchError(f"checkpoint {reader.tag!r} cannot be resharded: {exc}") from None
+    return out
+
+
+def log_resharding(saved: dict, world: World) -> None:
+    if world.is_root:
+        topo = world.topology
+        log.info("nxd_ckpt: resharding %s -> TP=%d PP=%d DP=%d", saved_sizes(saved).describe(), topo.tp, topo.pp,
+                 topo.dp)

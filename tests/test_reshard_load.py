@@ -1,0 +1,179 @@
+"""Load-time resharding: a run trained at TP=2 x DP=2 with ZeRO-1 (the demo's Llama) resumes at TP=4 x DP=1,
+TP=1 x DP=4 and TP=2 x PP=2. Right after loading, every parameter, Adam moment and master weight of every
+rank equals the saved full state split at the new sizes, bit for bit; the next steps' losses match the
+uninterrupted run's within float tolerance."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import sys
+
+import pytest
+import torch
+from harness import run_ranks
+
+import xser
+from nxd_ckpt.partition import Partition, join_tp, split_tp, zero1_shard, zero1_unshard
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPTS = os.path.join(ROOT, "scripts")
+
+MODEL = ["--zero1", "--layers", "2", "--hidden", "32", "--heads", "4", "--ffn", "64",
+         "--seq-len", "8", "--vocab", "32", "--total-steps", "4", "--ckpt-every", "2", "--log-every", "1",
+         "--no-async", "--num-workers", "2"]
+
+
+def _demo_rank(rank, world, argv):
+    if SCRIPTS not in sys.path:
+        sys.path.insert(0, SCRIPTS)
+    import train_demo
+
+    train_demo.main(argv)
+    return True
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory):
+    """4 steps at TP=2 x DP=2 (checkpoints step_2 and step_4): its losses of steps 3-4 are the reference."""
+    d = tmp_path_factory.mktemp("reshard_src")
+    run_ranks(_demo_rank, 4, MODEL + ["--tp", "2", "--steps", "4", "--ckpt-dir", str(d / "ckpt"),
+                                      "--out", str(d / "ref.json")], timeout=240)
+    with open(d / "ref.json") as f:
+        return d, json.load(f)
+
+
+def _full_state(tag_dir):
+    """The saved state as full tensors: model key -> tensor, and key -> {moment/master name -> tensor}."""
+    with open(os.path.join(tag_dir, "manifest.json")) as f:
+        manifest = json.load(f)
+    tp, dp = manifest["topology"]["tp"], manifest["topology"]["dp"]
+    name = lambda d, t: f"dp_rank_{d:02d}_tp_rank_{t:02d}_pp_rank_00.pt"   # noqa: E731
+    meta = manifest["tensors"][f"model/{name(0, 0)}"]
+    parts = {m["key"]: Partition.from_attrs(m) for m in meta.values()}
+    shards = [xser.load(os.path.join(tag_dir, "model", name(0, t))) for t in range(tp)]
+    model = {k: join_tp([s[k] for s in shards], parts[k], k) for k in shards[0]}
+    optims = [[xser.load(os.path.join(tag_dir, "optim", name(d, t))) for d in range(dp)] for t in range(tp)]
+    optim = {}
+    for i, key in enumerate(shards[0]):
+        entry = {}
+        for f in ("exp_avg", "exp_avg_sq", "master"):
+            locals_ = []
+            for t in range(tp):
+                get = (lambda o: o["sharded_master_weights"][i]) if f == "master" else (lambda o: o["base_state"][i][f])
+                locals_.append(zero1_unshard([get(o) for o in optims[t]], optims[t][0]["shape_info"][i], key))
+            entry[f] = join_tp(locals_, parts[key], key)
+        entry["step"] = optims[0][0]["base_state"][i]["step"]
+        optim[key] = entry
+    return model, optim, parts
+
+
+def _assert_bits(a, b, what):
+    assert a.dtype == b.dtype and a.shape == b.shape, f"{what}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}"
+    assert torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)), f"{what} differs"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp,pp", [(4, 1), (1, 1), (2, 2)], ids=["tp4_dp1", "tp1_dp4", "tp2_pp2"])
+def test_zero1_run_resumes_resharded(source, tmp_path, tp, pp):
+    src_dir, ref = source
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(src_dir / "ckpt" / "step_2", ckpt / "step_2")
+    dump = tmp_path / "loaded"
+    run_ranks(_demo_rank, 4, MODEL + ["--tp", str(tp), "--pp", str(pp), "--steps", "4", "--ckpt-dir", str(ckpt),
+                                      "--out", str(tmp_path / "run.json"), "--dump-loaded", str(dump)], timeout=240)
+    with open(tmp_path / "run.json") as f:
+        run = json.load(f)
+    assert run["resumed_from"] == "step_2" and (run["tp"], run["pp"], run["dp"]) == (tp, pp, 4 // (tp * pp))
+
+    model, optim, parts = _full_state(str(src_dir / "ckpt" / "step_2"))
+    dp = 4 // (tp * pp)
+    seen = set()
+    for rank in range(4):
+        t, d = rank % tp, (rank // tp) % dp
+        got = torch.load(f"{dump}.rank{rank}.pt", weights_only=True)
+        for key, v in got["model"].items():
+            _assert_bits(v, split_tp(model[key], parts[key], tp, t), f"rank {rank} {key}")
+            seen.add(key)
+        o = got["optim"]
+        for i, key in enumerate(got["model"]):
+            local = {f: split_tp(optim[key][f], parts[key], tp, t) for f in ("exp_avg", "exp_avg_sq", "master")}
+            for f in ("exp_avg", "exp_avg_sq"):
+                _assert_bits(o["base_state"][i][f], zero1_shard(local[f], d, dp), f"rank {rank} {key} {f}")
+            _assert_bits(o["sharded_master_weights"][i], zero1_shard(local["master"], d, dp), f"rank {rank} {key} master")
+            assert float(o["base_state"][i]["step"]) == float(optim[key]["step"]) == 2.0
+            assert tuple(o["shape_info"][i]) == tuple(got["model"][key].shape)
+    assert seen == set(model), "every saved key landed on some stage"
+    for s in ("3", "4"):
+        assert math.isclose(run["losses"][s], ref["losses"][s], rel_tol=1e-4), (s, run["losses"][s], ref["losses"][s])
+
+
+# --- single process: an NxD checkpoint without our manifest, partitions from the caller's model ---------------
+class _Full(torch.nn.Module):
+    """The TP=1 form of two TP=2 shards: up split along dim 0, down along dim 1, bias replicated."""
+
+    def __init__(self, attrs: bool):
+        super().__init__()
+        self.up = torch.nn.Parameter(torch.zeros(16, 8))
+        self.down = torch.nn.Parameter(torch.zeros(8, 16))
+        self.bias = torch.nn.Parameter(torch.zeros(8))
+        if attrs:
+            for p, dim in ((self.up, 0), (self.down, 1)):
+                p.tensor_model_parallel, p.partition_dim, p.partition_stride = True, dim, 1
+
+
+def _nxd_tp2_tag(root):
+    """Two TP shards written as NxD does without xser (one torch.save per shard), no manifest, no .info.pt."""
+    g = torch.Generator().manual_seed(7)
+    shards = [{"up": torch.randn(8, 8, generator=g), "down": torch.randn(8, 8, generator=g)} for _ in range(2)]
+    bias = torch.randn(8, generator=g)
+    tag = os.path.join(root, "nxd")
+    os.makedirs(os.path.join(tag, "model"))
+    for t, s in enumerate(shards):
+        torch.save(dict(s, bias=bias), os.path.join(tag, "model", f"dp_rank_00_tp_rank_{t:02d}_pp_rank_00.pt"))
+    for marker in ("checkpoint", "done"):
+        with open(os.path.join(tag, marker), "w") as f:
+            f.write("1")
+    return shards, bias
+
+
+def test_nxd_checkpoint_reshards_with_the_models_partition_attributes(tmp_path):
+    import nxd_ckpt
+
+    shards, bias = _nxd_tp2_tag(str(tmp_path))
+    model = _Full(attrs=True)
+    nxd_ckpt.load_checkpoint(str(tmp_path), "nxd", model=model)
+    _assert_bits(model.up.data, torch.cat([s["up"] for s in shards], 0), "up")
+    _assert_bits(model.down.data, torch.cat([s["down"] for s in shards], 1), "down")
+    _assert_bits(model.bias.data, bias, "bias")
+
+
+def test_nxd_checkpoint_without_partition_attributes_names_what_is_missing(tmp_path):
+    import nxd_ckpt
+
+    _nxd_tp2_tag(str(tmp_path))
+    model = _Full(attrs=False)
+    with pytest.raises(nxd_ckpt.StateMismatchError) as e:
+        nxd_ckpt.load_checkpoint(str(tmp_path), "nxd", model=model)
+    m = str(e.value)
+    assert "down" in m and "tensor_model_parallel" in m and "partition_dim" in m and "(8, 8)" in m
+    assert torch.count_nonzero(model.up.data) == 0, "nothing was applied"
+    with pytest.raises(nxd_ckpt.TopologyMismatchError, match="TP=2 PP=1"):
+        nxd_ckpt.load_checkpoint(str(tmp_path), "nxd", model=_Full(attrs=True), reshard=False)
+
+
+@pytest.mark.parametrize("length,stride,src_tp,dst_tp", [(24, 1, 2, 4), (24, 2, 2, 3), (24, 3, 4, 1), (24, 1, 1, 4),
+                                                         (24, 2, 6, 2), (12, 2, 3, 2)])
+def test_copy_tp_overlap_rebuilds_every_new_shard(length, stride, src_tp, dst_tp):
+    from nxd_ckpt.partition import copy_tp_overlap, split_tp_all
+
+    full = torch.arange(length * 3, dtype=torch.float32).reshape(length, 3)
+    part = Partition(0, stride)
+    src = split_tp_all(full, part, src_tp)
+    for t in range(dst_tp):
+        want = split_tp(full, part, dst_tp, t)
+        got = torch.full_like(want, -1.0)
+        for r in range(src_tp):
+            copy_tp_overlap(got, src[r], part, src_tp, r, dst_tp, t)
+        _assert_bits(got, want, f"shard {t}")
