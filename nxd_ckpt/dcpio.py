@@ -1,0 +1,373 @@
+"""PyTorch Distributed Checkpoint (DCP) as a sink and a source: `nxd-ckpt to-dcp` and `nxd-ckpt from-dcp`.
+
+Writing uses torch.distributed.checkpoint's own ``FileSystemWriter`` in a no-process-group save, with a
+planner that hands the writer each tensor only when it asks for it: the state dict passed to ``dcp.save``
+holds zero-stride placeholders (shape and dtype, no memory) and ``resolve_data`` loads the full tensor from
+the source, so one tensor at a time is in memory. The files are exactly what ``dcp.save`` writes
+(``.metadata`` + ``__0_0.distcp``); our ``manifest.json`` (size and CRC32C of every file) and ``done`` sit
+beside them, and the directory is built under ``<out>.nxdtmp`` and renamed into place.
+
+Layouts (``--layout``):
+
+- ``plain``: ``{"model": {fqn: tensor}, "optim": {"state": {fqn: {"step", "exp_avg", "exp_avg_sq"}},
+  "param_groups": [{..AdamW's keys.., "params": [fqn, ...]}]}, "scheduler": ..., "user_content": ...}`` -- the
+  form ``torch.distributed.checkpoint.state_dict.get_state_dict(model, AdamW)`` gives, so
+  ``dcp.load({"model": m, "optim": o}, ...)`` + ``set_state_dict`` resume a native PyTorch job.
+- ``torchtitan``: TorchTitan's checkpoint manager's keys: model FQNs at the top level, ``optimizer`` flat
+  (``state.{fqn}.{name}``, ``param_groups.{fqn}.{key}``), ``lr_scheduler`` (``last_epoch``) and
+  ``train_state`` (``step``, ``ntokens_seen``); no ``dataloader`` (exclude it from loading).
+
+Both layouts also hold ``nxd_ckpt``: the partition attributes, the model's dtypes, scheduler and user
+content, so ``from-dcp`` gives back the tag without partition rules.
+"""
+from __future__ import annotations
+
+import io
+import json
+import os
+import shutil
+import sys
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from . import commit
+from .errors import CheckpointArgumentError, CorruptCheckpointError
+from .fullstate import (MOMENTS, ConversionError, FullState, OptimState, ParamState, TensorSource, natural_step,
+                        rule_partition)
+from .outdir import publish_output
+from .partition import Partition
+from .verify import file_crc32c
+
+LAYOUTS = ("plain", "torchtitan")
+META_KEY = "nxd_ckpt"
+META_FORMAT = 1
+_TT_PREFIXES = ("optimizer.", "lr_scheduler.", "dataloader.", "train_state.")
+
+
+@dataclass
+class DcpResult:
+    output: str
+    layout: str
+    tensors: int
+    optimizer: bool
+    bytes_written: int
+    files: List[str]
+
+    def to_json(self) -> dict:
+        return dict(self.__dict__)
+
+
+def adamw_group(hyper: dict) -> dict:
+    """A param group as ``torch.optim.AdamW`` has it (every default key), with the source's values."""
+    dummy = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))])
+    group = {k: v for k, v in dummy.param_groups[0].items() if k != "params"}
+    if "weight_decay" not in hyper:
+        group["weight_decay"] = 0.0   # a plain Adam state: no decoupled weight decay
+    group.update(hyper)
+    return group
+
+
+# --- the state dict and its loaders -------------------------------------------------------------------
+def _placeholder(t: TensorSource) -> torch.Tensor:
+    return torch.empty((), dtype=t.dtype).expand(*t.shape) if t.shape else torch.empty((), dtype=t.dtype)
+
+
+def build_state_dict(state: FullState, layout_kind: str) -> Tuple[dict, Dict[str, TensorSource]]:
+    """(state dict of placeholders for dcp.save, flattened key -> source)."""
+    sd: Dict[str, Any] = {}
+    loaders: Dict[str, TensorSource] = {}
+    prefix = "model." if layout_kind == "plain" else ""
+    model = {}
+    for t in state.model:
+        model[t.name] = _placeholder(t)
+        loaders[prefix + t.name] = t
+    sd.update({"model": model} if layout_kind == "plain" else model)
+    step = natural_step(state)
+    if state.optim is not None:
+        if layout_kind == "plain":
+            sd["optim"] = _plain_optim(state.optim, loaders)
+        else:
+            sd["optimizer"] = _titan_optim(state.optim, loaders)
+    if layout_kind == "plain":
+        for key, obj in (("scheduler", state.scheduler), ("user_content", state.user_content)):
+            if obj is not None:
+                sd[key] = obj
+    else:
+        sd["lr_scheduler"] = {"last_epoch": _last_epoch(state.scheduler, step)}
+        sd["train_state"] = {"step": int(step or 0), "ntokens_seen": 0}
+    sd[META_KEY] = _meta_bytes(state, layout_kind)
+    return sd, loaders
+
+
+def _plain_optim(optim: OptimState, loaders: Dict[str, TensorSource]) -> dict:
+    st = {}
+    for name, ps in optim.params.items():
+        entry: Dict[str, Any] = {}
+        if ps.step is not None:
+            entry["step"] = ps.step
+        for k, src in ps.moments.items():
+            entry[k] = _placeholder(src)
+            loaders[f"optim.state.{name}.{k}"] = src
+        st[name] = entry
+    groups = [{**adamw_group(h), "params": list(names)} for h, names in optim.groups]
+    return {"state": st, "param_groups": groups}
+
+
+def _titan_optim(optim: OptimState, loaders: Dict[str, TensorSource]) -> dict:
+    flat: Dict[str, Any] = {}
+    for name, ps in optim.params.items():
+        if ps.step is not None:
+            flat[f"state.{name}.step"] = ps.step
+        for k, src in ps.moments.items():
+            flat[f"state.{name}.{k}"] = _placeholder(src)
+            loaders[f"optimizer.state.{name}.{k}"] = src
+    for hyper, names in optim.groups:
+        for name in names:
+            for k, v in adamw_group(hyper).items():
+                flat[f"param_groups.{name}.{k}"] = v
+    return flat
+
+
+def _last_epoch(scheduler, step) -> int:
+    if isinstance(scheduler, dict):
+        for k in ("last_epoch", "last_step", "_step_count"):
+            if isinstance(scheduler.get(k), int):
+                return int(scheduler[k])
+    return int(step or 0)
+
+
+def _meta_bytes(state: FullState, layout_kind: str) -> bytes:
+    meta = {"format": META_FORMAT, "layout": layout_kind, "topology": state.topology,
+            "partitions": {t.name: [t.partition.dim, t.partition.stride] for t in state.model if t.partition},
+            "model_dtypes": {k: str(v).replace("torch.", "") for k, v in state.model_dtypes.items()},
+            "scheduler": state.scheduler, "user_content": state.user_content,
+            # the source optimizer's own hyper-parameter keys: from-dcp keeps those, not AdamW's extra ones
+            "group_keys": [list(h) for h, _n in state.optim.groups] if state.optim is not None else None}
+    buf = io.BytesIO()
+    torch.save(meta, buf)
+    return buf.getvalue()
+
+
+def _streaming_planner(loaders: Dict[str, TensorSource], bar):
+    from torch.distributed.checkpoint import DefaultSavePlanner
+    from torch.distributed.checkpoint.planner import WriteItemType
+
+    class StreamingSavePlanner(DefaultSavePlanner):
+        """Hands the writer each tensor from its source when the writer asks for it."""
+
+        def resolve_data(self, write_item):
+            src = loaders.get(write_item.index.fqn)
+            if src is None or write_item.type == WriteItemType.BYTE_IO:
+                return super().resolve_data(write_item)
+            t = src.checked().contiguous()
+            if bar is not None:
+                bar.update(src.nbytes)
+            return t
+
+    return StreamingSavePlanner()
+
+
+def write_dcp(state: FullState, dst: str, layout_kind: str = "plain", *, progress: Optional[bool] = None,
+              source: str = "") -> DcpResult:
+    """Write ``state`` as a DCP checkpoint directory ``dst`` (checked by the caller with check_output_dir)."""
+    import torch.distributed.checkpoint as dcp
+
+    if layout_kind not in LAYOUTS:
+        raise CheckpointArgumentError(f"--layout {layout_kind!r} is not one of {', '.join(LAYOUTS)}")
+    sd, loaders = build_state_dict(state, layout_kind)
+    stage = dst + commit.STAGING_SUFFIX
+    shutil.rmtree(stage, ignore_errors=True)
+    os.makedirs(stage)
+    show = sys.stderr.isatty() if progress is None else bool(progress)
+    bar = None
+    if show:
+        from tqdm import tqdm
+
+        bar = tqdm(total=sum(s.nbytes for s in loaders.values()), unit="B", unit_scale=True, unit_divisor=1024,
+                   desc="to-dcp")
+    try:
+        writer = dcp.FileSystemWriter(stage, single_file_per_rank=True, sync_files=True, thread_count=1)
+        dcp.save(sd, storage_writer=writer, planner=_streaming_planner(loaders, bar), no_dist=True)
+        files = sorted(os.listdir(stage))
+        _seal(stage, os.path.basename(dst), files, layout_kind, state, source)
+        publish_output(stage, dst)
+    except BaseException:
+        shutil.rmtree(stage, ignore_errors=True)
+        raise
+    finally:
+        if bar is not None:
+            bar.close()
+    total = sum(os.path.getsize(os.path.join(dst, f)) for f in files)
+    return DcpResult(dst, layout_kind, len(state.model), state.optim is not None, total, files)
+
+
+def _seal(stage: str, name: str, files: List[str], layout_kind: str, state: FullState, source: str) -> None:
+    """Our manifest (size + CRC32C of every DCP file) and ``done``, as for a tag."""
+    from .storage import LocalStorage
+
+    entries = {}
+    for f in files:
+        size, crc = file_crc32c(os.path.join(stage, f))
+        entries[f] = {"size": size, "crc32c": f"{crc:08x}", "rank": 0}
+    man = commit.build_manifest(name, dict(state.topology), {"dcp": True, "layout": layout_kind, "zero1": False,
+                                                            "xser": False, "has_model": True,
+                                                            "has_optim": state.optim is not None}, entries, {})
+    man["converted_from"] = {"path": source}
+    body = json.dumps(man, indent=1).encode()
+    store = LocalStorage(stage)
+    store.write_file("manifest.json", lambda f: f.write(body))
+    store.write_file("done", lambda f: f.write(commit.done_body(body)))
+
+
+# --- reading -------------------------------------------------------------------------------------------
+class _DcpReader:
+    """Reads single entries of a DCP checkpoint: tensors through dcp.load, non-tensors unpickled safely."""
+
+    def __init__(self, path: str, trusted: bool):
+        from torch.distributed.checkpoint import FileSystemReader
+
+        if not os.path.isfile(os.path.join(path, ".metadata")):
+            raise CheckpointArgumentError(f"DCP_DIR {path} has no .metadata file: it is not a torch.distributed."
+                                          "checkpoint directory (pass the folder dcp.save wrote)")
+        self.path, self.trusted = path, trusted
+        self.metadata = FileSystemReader(path).read_metadata()
+        self.entries = self.metadata.state_dict_metadata
+        # the original key path of each flattened key (DefaultSavePlanner records them); names may hold dots
+        mapping = self.metadata.planner_data if isinstance(self.metadata.planner_data, dict) else {}
+        self.paths = {k: tuple(mapping.get(k, (k,))) for k in self.entries}
+        self._check_files()
+
+    def _check_files(self) -> None:
+        """Against our manifest when the directory has one (written by to-dcp)."""
+        from .verify import load_manifest_file
+
+        man = load_manifest_file(self.path)
+        if man is None:
+            return
+        for rel, entry in man["files"].items():
+            full = os.path.join(self.path, rel)
+            if not os.path.isfile(full):
+                raise CorruptCheckpointError(f"{full} is missing", path=full)
+            size, crc = file_crc32c(full)
+            if size != entry["size"] or f"{crc:08x}" != entry["crc32c"]:
+                raise CorruptCheckpointError(f"{full} does not match its manifest entry (size {size}, crc32c "
+                                             f"{crc:08x}; expected {entry['size']}, {entry['crc32c']})", path=full)
+
+    def is_tensor(self, key: str) -> bool:
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+        return isinstance(self.entries.get(key), TensorStorageMetadata)
+
+    def source(self, key: str, name: str, partition: Optional[Partition]) -> TensorSource:
+        md = self.entries[key]
+        return TensorSource(name, tuple(md.size), md.properties.dtype, partition, lambda: self.tensor(key))
+
+    def tensor(self, key: str) -> torch.Tensor:
+        import torch.distributed.checkpoint as dcp
+
+        md = self.entries[key]
+        out = {key: torch.empty(tuple(md.size), dtype=md.properties.dtype)}
+        dcp.load(out, checkpoint_id=self.path, no_dist=True)
+        return out[key]
+
+    def value(self, key: str):
+        from torch.distributed.checkpoint.metadata import MetadataIndex
+
+        info = self.metadata.storage_data[MetadataIndex(key)]
+        with open(os.path.join(self.path, info.relative_path), "rb") as f:
+            f.seek(info.offset)
+            data = f.read(info.length)
+        try:
+            return torch.load(io.BytesIO(data), weights_only=not self.trusted)
+        except Exception as exc:  # noqa: BLE001
+            if not self.trusted and "weights_only" in str(exc):
+                raise CheckpointArgumentError(f"{self.path}: entry {key!r} holds objects a safe load refuses; if you "
+                                              "trust its origin pass --trusted") from None
+            raise CorruptCheckpointError(f"{self.path}: entry {key!r} cannot be read: {exc}") from exc
+
+
+def read_dcp(path: str, *, rules: Sequence[Tuple[str, int, int]] = (), trusted: bool = False,
+             optimizer: bool = True) -> FullState:
+    """A DCP checkpoint (plain or torchtitan layout, by nxd-ckpt or by a PyTorch job) as a FullState."""
+    r = _DcpReader(os.path.abspath(path), trusted)
+    meta = _read_meta(r)
+    kind = meta.get("layout") or ("plain" if any(p[0] == "model" for p in r.paths.values()) else "torchtitan")
+    recorded = {k: Partition(int(v[0]), int(v[1])) for k, v in meta.get("partitions", {}).items()}
+    model_keys = {}
+    for key, p in r.paths.items():
+        if not r.is_tensor(key):
+            continue
+        if kind == "plain" and len(p) == 2 and p[0] == "model":
+            model_keys[str(p[1])] = key
+        elif kind == "torchtitan" and len(p) == 1 and not str(p[0]).startswith(_TT_PREFIXES):
+            model_keys[str(p[0])] = key
+    if not model_keys:
+        raise ConversionError(f"{path} holds no model tensors (no 'model' entry, nor TorchTitan's top-level "
+                              "parameter names)")
+    model = [r.source(key, n, rule_partition(n, rules) if rules else recorded.get(n)) for n, key in model_keys.items()]
+    state = FullState(model, topology=dict(meta.get("topology") or {}))
+    state.model_dtypes = {k: getattr(torch, v) for k, v in meta.get("model_dtypes", {}).items()}
+    state.scheduler, state.user_content = meta.get("scheduler"), meta.get("user_content")
+    if optimizer:
+        state.optim = _read_optim(r, kind, {t.name: t for t in model})
+        keys = meta.get("group_keys")
+        if state.optim is not None and keys and len(keys) == len(state.optim.groups):
+            state.optim.groups = [({k: h[k] for k in ks if k in h}, names)
+                                  for ks, (h, names) in zip(keys, state.optim.groups)]
+    return state
+
+
+def _read_meta(r: _DcpReader) -> dict:
+    if META_KEY not in r.entries:
+        return {}
+    raw = r.value(META_KEY)
+    meta = torch.load(io.BytesIO(raw), weights_only=not r.trusted) if isinstance(raw, bytes) else raw
+    return meta if isinstance(meta, dict) else {}
+
+
+def _optim_entries(r: _DcpReader, kind: str):
+    """Yield (kind, parameter name, leaf, key): kind 'state' or 'group' ('group' name: the group index
+    for the plain layout, the parameter for TorchTitan's flat one)."""
+    for key, p in r.paths.items():
+        if kind == "plain" and len(p) == 4 and p[0] == "optim" and p[1] in ("state", "param_groups"):
+            yield ("state" if p[1] == "state" else "group"), str(p[2]), str(p[3]), key
+        elif kind == "torchtitan" and len(p) == 2 and p[0] == "optimizer":
+            head, _, rest = str(p[1]).partition(".")
+            name, _, leaf = rest.rpartition(".")
+            if head in ("state", "param_groups"):
+                yield ("state" if head == "state" else "group"), name, leaf, key
+
+
+def _read_optim(r: _DcpReader, kind: str, model: Dict[str, TensorSource]) -> Optional[OptimState]:
+    params: Dict[str, ParamState] = {}
+    groups: Dict[str, dict] = {}
+    for what, name, leaf, key in _optim_entries(r, kind):
+        if what == "group":
+            groups.setdefault(name, {})[leaf] = r.value(key)
+            continue
+        if name not in model:
+            raise ConversionError(f"{r.path}: optimizer entry {key!r} names parameter {name!r}, which the model does "
+                                  f"not have (model keys: {sorted(model)[:4]}...): the names do not match")
+        ps = params.setdefault(name, ParamState())
+        if leaf == "step":
+            ps.step = r.tensor(key) if r.is_tensor(key) else r.value(key)
+        elif r.is_tensor(key):
+            ps.moments[leaf] = r.source(key, f"{name} {leaf}", model[name].partition)
+    if not params:
+        return None
+    if kind == "plain":
+        out = [({k: v for k, v in g.items() if k != "params"}, [str(n) for n in g.get("params", [])])
+               for _i, g in sorted(groups.items(), key=lambda kv: int(kv[0]))]
+    else:
+        out = []
+        for name in params:
+            hyper = groups.get(name, {})
+            for h, names in out:
+                if h == hyper:
+                    names.append(name)
+                    break
+            else:
+                out.append((hyper, [name]))
+    return OptimState(params, out or [({}, list(params))])

@@ -1,0 +1,327 @@
+"""The converters' common currency: a checkpoint as a stream of full (unsharded) tensors.
+
+A ``FullState`` names every model tensor in model order with its full shape, dtype and TP partition, and a
+``load()`` that materialises it; the optimizer state per parameter name (Adam's moments as full tensors,
+``step``, master weights when present), the param groups' hyper-parameters, scheduler state and user
+content. Nothing is read until a sink calls ``load()``, one tensor at a time, so converting holds about one
+full tensor (and its pieces) in memory.
+
+Sources: ``read_tag`` (an NxD / nxd-ckpt tag: TP shards joined by their partition attributes, PP stages
+merged, ZeRO-1 pieces joined over DP) here; ``hf.read_hf`` and ``dcpio.read_dcp`` elsewhere.
+Sinks: ``tagwrite.write_tag``, ``dcpio.write_dcp``, ``export`` (Hugging Face safetensors).
+"""
+from __future__ import annotations
+
+import fnmatch
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+import xser
+
+from . import layout
+from .errors import CheckpointArgumentError, CheckpointError, CorruptCheckpointError
+from .partition import Partition, join_tp, zero1_unshard
+from .verify import CheckedReader, load_manifest_file
+
+MOMENTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+
+
+class ConversionError(CheckpointError, ValueError):
+    """The input cannot be converted as asked; the message says what to pass."""
+
+
+@dataclass
+class TensorSource:
+    """One full tensor, not loaded: ``load()`` reads (and joins) it."""
+
+    name: str
+    shape: tuple
+    dtype: torch.dtype
+    partition: Optional[Partition]
+    load: Callable[[], torch.Tensor]
+
+    @property
+    def nbytes(self) -> int:
+        n = torch.empty((), dtype=self.dtype).element_size()
+        for d in self.shape:
+            n *= int(d)
+        return n
+
+    def checked(self) -> torch.Tensor:
+        t = self.load()
+        if tuple(t.shape) != tuple(self.shape) or t.dtype != self.dtype:
+            raise CorruptCheckpointError(f"{self.name}: read {t.dtype} {tuple(t.shape)}, its metadata says "
+                                         f"{self.dtype} {tuple(self.shape)}")
+        return t
+
+
+@dataclass
+class ParamState:
+    """The optimizer state of one parameter: full moments, ``step`` (tensor or number), master weights."""
+
+    moments: Dict[str, TensorSource] = field(default_factory=dict)
+    step: Any = None
+    master: Optional[TensorSource] = None
+
+
+@dataclass
+class OptimState:
+    """Adam-style state by parameter name, and the param groups (hyper-parameters, parameter names)."""
+
+    params: Dict[str, ParamState]
+    groups: List[Tuple[dict, List[str]]]
+
+
+@dataclass
+class FullState:
+    model: List[TensorSource]
+    optim: Optional[OptimState] = None
+    scheduler: Any = None
+    user_content: Any = None
+    model_dtypes: Dict[str, torch.dtype] = field(default_factory=dict)   # when ``model`` holds master weights
+    topology: dict = field(default_factory=dict)                         # the source's, when known
+
+    def names(self) -> List[str]:
+        return [t.name for t in self.model]
+
+    def largest(self) -> int:
+        return max([t.nbytes for t in self.model] or [0])
+
+
+# --- partition rules (import / from-dcp) -------------------------------------------------------------
+LLAMA_PRESET: Tuple[Tuple[str, int, int], ...] = (
+    # The layers neuronx-distributed's Llama training example makes parallel (scripts/checkpoint_converter.py:
+    # embeddings and LM head split along the vocabulary, attention and MLP projections column-parallel,
+    # o_proj and down_proj row-parallel; a fused gate_up_proj is column-parallel with stride 2).
+    ("*embed_tokens.weight", 0, 1), ("*lm_head.weight", 0, 1),
+    ("*.q_proj.weight", 0, 1), ("*.k_proj.weight", 0, 1), ("*.v_proj.weight", 0, 1), ("*.qkv_proj.weight*", 0, 1),
+    ("*.gate_proj.weight", 0, 1), ("*.up_proj.weight", 0, 1), ("*.gate_up_proj.weight", 0, 2),
+    ("*.o_proj.weight", 1, 1), ("*.down_proj.weight", 1, 1),
+)
+PRESETS = {"llama": LLAMA_PRESET}
+
+
+def partition_rules(specs: Sequence[str], preset: Optional[str]) -> List[Tuple[str, int, int]]:
+    """``--partition GLOB=DIM[:STRIDE]`` rules first (they win), then the preset's."""
+    from .export import parse_partition
+
+    rules = [parse_partition(s) for s in specs]
+    if preset is not None:
+        if preset not in PRESETS:
+            raise CheckpointArgumentError(f"--preset {preset!r} is not one of {', '.join(sorted(PRESETS))}")
+        rules.extend(PRESETS[preset])
+    return rules
+
+
+def rule_partition(name: str, rules: Sequence[Tuple[str, int, int]]) -> Optional[Partition]:
+    for glob, dim, stride in rules:
+        if fnmatch.fnmatchcase(name, glob):
+            return Partition(dim, stride)
+    return None
+
+
+# --- reading a tag ----------------------------------------------------------------------------------
+def check_tag_dir(tagdir: str, flag: str = "SRC_TAG") -> str:
+    if not os.path.isdir(tagdir):
+        raise CheckpointArgumentError(f"{flag} {tagdir} is not a directory; pass DIR/TAG (see `nxd-ckpt ls DIR`)")
+    if not os.path.isfile(os.path.join(tagdir, layout.DONE_MARKER)):
+        raise CheckpointArgumentError(f"{flag} {tagdir} has no 'done' marker: its save never finished; pass a "
+                                      "complete tag (see `nxd-ckpt ls DIR`)")
+    return os.path.abspath(tagdir)
+
+
+def read_tag(tagdir: str, *, partitions: Sequence[str] = (), trusted: bool = False, optimizer: bool = True) -> FullState:
+    """A tag as a FullState (nothing but ref pickles and small files read yet). Master weights, when the
+    ZeRO-1 state has them, stand in for the model tensors (recorded dtypes in ``model_dtypes``)."""
+    from .export import _materialise, parse_partition, plan_export
+
+    tagdir = check_tag_dir(tagdir)
+    manifest = load_manifest_file(tagdir)
+    reader = CheckedReader(tagdir, manifest, trusted)
+    outs, shards, _skipped = plan_export(tagdir, [parse_partition(p) for p in partitions], None, trusted)
+    model = [TensorSource(o.key, tuple(o.shape), o.src_dtype, Partition(*o.partition) if o.partition else None,
+                          lambda o=o: _materialise(o, shards)) for o in outs]
+    stage_keys = {pp: list(shards[(0, pp)].flat) for (tp, pp) in shards if tp == 0}
+    state = FullState(model, topology=dict((manifest or {}).get("topology", {})))
+    if optimizer and os.path.isdir(os.path.join(tagdir, layout.OPTIM_DIR)):
+        state.optim = _read_optim(reader, tagdir, {t.name: t for t in model}, stage_keys)
+        _masters_as_model(state)
+    state.scheduler = _small(reader, tagdir, layout.SCHEDULER_FILE)
+    state.user_content = _small(reader, tagdir, layout.USER_CONTENT_FILE)
+    return state
+
+
+def _small(reader: CheckedReader, tagdir: str, name: str):
+    if not os.path.isfile(os.path.join(tagdir, name)):
+        return None
+    return reader.plain(name, mmap=False)
+
+
+def _masters_as_model(state: FullState) -> None:
+    for i, t in enumerate(state.model):
+        ps = state.optim.params.get(t.name)
+        if ps is not None and ps.master is not None:
+            state.model_dtypes[t.name] = t.dtype
+            state.model[i] = ps.master
+
+
+@dataclass
+class _OptimFile:
+    rel: str
+    data: Any          # ref data (xser) or the loaded state (plain)
+
+
+def _read_optim(reader: CheckedReader, tagdir: str, model: Dict[str, TensorSource],
+                stage_keys: Dict[int, List[str]]) -> OptimState:
+    folder = os.path.join(tagdir, layout.OPTIM_DIR)
+    names = layout.list_shard_files(folder)
+    if not names:
+        raise ConversionError(f"{folder} holds no optimizer files; pass --no-optimizer to convert the model only")
+    if any(s.ep is not None for s in names):
+        raise ConversionError(f"{folder} holds expert-parallel optimizer files; converting them is not supported")
+    xser_folder = layout.folder_is_xser(folder)
+    files: Dict[Tuple[int, int, int], _OptimFile] = {}
+    for s, n in names.items():
+        rel = f"{layout.OPTIM_DIR}/{n}"
+        files[(s.tp, s.pp, s.dp)] = _OptimFile(rel, reader.refs(rel) if xser_folder else reader.plain(rel, mmap=True))
+    ntp = max(k[0] for k in files) + 1
+    ndp = max(k[2] for k in files) + 1
+    first = files[(0, min(stage_keys), 0)].data
+    zero1 = isinstance(first, dict) and "base_state" in first
+    params: Dict[str, ParamState] = {}
+    groups: List[Tuple[dict, List[str]]] = []
+    for pp, keys in sorted(stage_keys.items()):
+        for t in range(ntp):
+            for d in range(ndp if zero1 else 1):
+                if (t, pp, d) not in files:
+                    raise CorruptCheckpointError(f"{folder} lacks {layout.shard_filename(d, t, pp)}: the optimizer "
+                                                 "state is incomplete")
+        order = _param_names(files[(0, pp, 0)], keys, model, ntp, zero1, reader)
+        per_tp = [[files[(t, pp, d)] for d in range(ndp if zero1 else 1)] for t in range(ntp)]
+        for i, name in enumerate(order):
+            params[name] = _param_state(reader, per_tp, i, model[name], zero1)
+        for g in (first if pp == min(stage_keys) else files[(0, pp, 0)].data)["param_groups"]:
+            hyper = {k: v for k, v in g.items() if k != "params"}
+            groups.append((hyper, [order[int(i)] for i in g["params"] if int(i) < len(order)]))
+    return OptimState(params, _merge_groups(groups))
+
+
+def _merge_groups(groups: List[Tuple[dict, List[str]]]) -> List[Tuple[dict, List[str]]]:
+    """Stages' groups with equal hyper-parameters become one group (group k of every stage)."""
+    out: List[Tuple[dict, List[str]]] = []
+    for hyper, names in groups:
+        for h, ns in out:
+            if h == hyper:
+                ns.extend(n for n in names if n not in ns)
+                break
+        else:
+            out.append((dict(hyper), list(names)))
+    return out
+
+
+def _param_names(f: _OptimFile, keys: List[str], model: Dict[str, TensorSource], ntp: int, zero1: bool,
+                 reader: CheckedReader) -> List[str]:
+    """The model key of each optimizer parameter index of one stage: parameter i is the i-th tensor of the
+    stage's model shard (the order of ``model.parameters()``, which torch optimizers and ZeRO-1 index)."""
+    data = f.data
+    count = len(data["shape_info"]) if zero1 else sum(len(g["params"]) for g in data["param_groups"])
+    if count != len(keys):
+        raise ConversionError(
+            f"{reader.path(f.rel)} holds the state of {count} parameters but the model shard has {len(keys)} tensors "
+            "(buffers, tied weights or a parameter order that is not the model's): the optimizer state cannot be "
+            "mapped to parameter names. Pass --no-optimizer to convert the model only")
+    if zero1:
+        for i, key in enumerate(keys):
+            local = _local_shape(model[key], ntp)
+            if tuple(int(d) for d in data["shape_info"][i]) != local:
+                raise ConversionError(
+                    f"{reader.path(f.rel)}: parameter {i} is {tuple(data['shape_info'][i])} but model tensor {i} "
+                    f"({key}) is {local} on each TP rank: the optimizer's parameter order is not the model's. Pass "
+                    "--no-optimizer to convert the model only")
+    return list(keys)
+
+
+def _local_shape(t: TensorSource, ntp: int) -> tuple:
+    from .partition import tp_shard_shape
+
+    return tp_shard_shape(t.shape, t.partition, ntp, t.name)
+
+
+def _leaf(reader: CheckedReader, f: _OptimFile, path: tuple):
+    obj = f.data
+    try:
+        for k in path:
+            obj = obj[k]
+    except (KeyError, IndexError, TypeError):
+        raise CorruptCheckpointError(f"{reader.path(f.rel)} lacks {'/'.join(map(str, path))}: the files do not come "
+                                     "from one save") from None
+    if xser.is_ref(obj):
+        return reader.tensor(layout.tensor_path(f.rel, obj.tid))
+    return obj
+
+
+def _param_state(reader: CheckedReader, per_tp: List[List[_OptimFile]], i: int, param: TensorSource,
+                 zero1: bool) -> ParamState:
+    head = per_tp[0][0].data
+    entry = (head["base_state"] if zero1 else head["state"]).get(i, {})
+    ps = ParamState()
+    root = "base_state" if zero1 else "state"
+    for k, v in entry.items():
+        if k == "step":
+            step = _leaf(reader, per_tp[0][0], (root, i, "step"))
+            ps.step = step.clone() if isinstance(step, torch.Tensor) else step
+        elif xser.is_ref(v) or isinstance(v, torch.Tensor):
+            ps.moments[k] = _joined(reader, per_tp, (root, i, k), param, zero1, f"{param.name} {k}")
+    masters = head.get("sharded_master_weights") if zero1 else None
+    if isinstance(masters, dict) and i in masters:
+        m = _joined(reader, per_tp, ("sharded_master_weights", i), param, zero1, f"{param.name} master weights")
+        ps.master = TensorSource(param.name, m.shape, m.dtype, param.partition, m.load)
+    return ps
+
+
+def _joined(reader: CheckedReader, per_tp: List[List[_OptimFile]], path: tuple, param: TensorSource, zero1: bool,
+            label: str) -> TensorSource:
+    """A state tensor of one parameter: ZeRO-1 pieces joined over DP per TP rank, then TP shards joined."""
+    local = _local_shape(param, len(per_tp))
+    head = _leaf_meta(reader, per_tp[0][0], path)
+
+    def load():
+        shards = []
+        for files in per_tp:
+            pieces = [_leaf(reader, f, path) for f in files]
+            shards.append(zero1_unshard(pieces, local, label) if zero1 else pieces[0])
+        return join_tp(shards, param.partition, label)
+
+    return TensorSource(label, tuple(param.shape), head, param.partition, load)
+
+
+def _leaf_meta(reader: CheckedReader, f: _OptimFile, path: tuple) -> torch.dtype:
+    """The dtype of a state tensor, from the manifest when it records it (no tensor read), else read."""
+    manifest = reader.manifest or {}
+    obj = f.data
+    for k in path:
+        obj = obj[k]
+    if xser.is_ref(obj):
+        meta = manifest.get("tensors", {}).get(f.rel, {}).get(str(obj.tid))
+        if meta is not None:
+            return getattr(torch, meta["dtype"])
+        return reader.tensor(layout.tensor_path(f.rel, obj.tid)).dtype
+    return obj.dtype
+
+
+def natural_step(state: FullState) -> Optional[int]:
+    """The optimizer step count (Adam's ``step`` of the first parameter), or None."""
+    if state.optim is None:
+        return None
+    for ps in state.optim.params.values():
+        if ps.step is not None:
+            return int(float(ps.step))
+    return None
+
+
+def tag_name(path: str) -> str:
+    return re.sub(r"[/\\]+$", "", path).rsplit("/", 1)[-1]

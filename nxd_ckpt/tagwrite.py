@@ -1,0 +1,279 @@
+"""Sink: a FullState written as a complete NxD tag at given TP / PP / DP sizes (`import`, `reshard`, `from-dcp`).
+
+The tag is in NxD's layout (DESIGN 2.1), xser format: ``model/dp_rank_00_tp_rank_TT_pp_rank_PP.pt`` per (tp, pp)
+with ``.info.pt`` (partition attributes included) and one tensor file per tensor; the optimizer as torch-xla's
+ZeRO-1 state (``base_state`` pieces over DP, ``shape_info``, ``sharded_master_weights``) in one file per
+(dp, tp, pp), or a plain torch optimizer state (``state`` by parameter index) in one file per (tp, pp);
+``scheduler.pt``, ``user_content.pt``; our manifest (every file's size and CRC32C) and ``done`` last. It is
+built in ``<dst>.nxdtmp`` and renamed into place, so a failed conversion leaves no partial tag.
+
+Streaming: each full tensor is loaded once, split into its TP shards (and ZeRO-1 pieces), each written to its
+own tensor file at once; ref files, which hold no tensor data, are written at the end.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+import xser
+
+from . import commit, layout
+from .errors import CheckpointArgumentError
+from .fullstate import ConversionError, FullState, ParamState
+from .outdir import publish_output
+from .partition import assign_stages, split_tp, tp_shard_shape, zero1_shard
+from .storage import FileRecord, LocalStorage
+
+
+@dataclass(frozen=True)
+class TagSizes:
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    zero1: bool = False
+
+    def check(self) -> None:
+        for flag, v in (("--tp", self.tp), ("--pp", self.pp), ("--dp", self.dp)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise CheckpointArgumentError(f"{flag} must be a positive integer, got {v!r}")
+
+    def topology(self) -> dict:
+        return {"world_size": self.tp * self.pp * self.dp, "tp": self.tp, "pp": self.pp, "dp": self.dp, "cp": 1,
+                "ep": 1}
+
+
+@dataclass
+class TagResult:
+    output: str
+    tp: int
+    pp: int
+    dp: int
+    zero1: bool
+    tensors: int
+    files: int
+    bytes_written: int
+
+    def to_json(self) -> dict:
+        return dict(self.__dict__)
+
+
+@dataclass
+class _File:
+    """One ref file being built: its ref data and what its tensor files are."""
+
+    rel: str
+    data: Any = None
+    meta: Dict[int, dict] = field(default_factory=dict)
+    next_tid: int = 0
+    index: Dict[str, int] = field(default_factory=dict)     # optimizer files: parameter name -> index
+
+    def ref(self, key: str, attrs: Optional[dict] = None) -> xser.TensorReference:
+        tid = self.next_tid
+        self.next_tid += 1
+        self.meta[tid] = {"key": key, **(attrs or {})}
+        return xser.TensorReference(tid)
+
+
+class _Writer:
+    def __init__(self, stage: str, total: int, progress: Optional[bool]):
+        self.store = LocalStorage(stage)
+        self.records: Dict[str, FileRecord] = {}
+        self.tensors: Dict[str, Dict[str, dict]] = {}
+        show = sys.stderr.isatty() if progress is None else bool(progress)
+        self.bar = None
+        if show:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="write tag")
+
+    def tensor(self, f: _File, ref, t: torch.Tensor) -> None:
+        rel = layout.tensor_path(f.rel, ref.tid)
+        self.records[rel] = self.store.write_file(rel, lambda fo: xser.write_tensor(t, fo), durable=False)
+        f.meta[ref.tid].update(dtype=str(t.dtype).replace("torch.", ""), shape=list(t.shape))
+
+    def small(self, rel: str, produce) -> None:
+        self.records[rel] = self.store.write_file(rel, produce, durable=False)
+
+    def ref_file(self, f: _File) -> None:
+        info = {tid: {"dtype": getattr(torch, m["dtype"]), "shape": torch.Size(m["shape"]),
+                      "expert_model_parallel": False,
+                      **{k: m[k] for k in ("tensor_model_parallel", "partition_dim", "partition_stride") if k in m}}
+                for tid, m in sorted(f.meta.items())}
+        self.small(layout.info_path(f.rel), lambda fo: torch.save(info, fo))
+        self.small(f.rel, lambda fo: xser.dump_refs(f.data, fo))
+        self.tensors[f.rel] = {str(tid): m for tid, m in sorted(f.meta.items())}
+
+    def progress(self, n: int) -> None:
+        if self.bar is not None:
+            self.bar.update(n)
+
+
+def plan_check(state: FullState, sizes: TagSizes) -> Dict[str, int]:
+    """Raise before anything is written when the state cannot be laid out at ``sizes``; the stage of each name."""
+    sizes.check()
+    for t in state.model:
+        tp_shard_shape(t.shape, t.partition, sizes.tp, t.name)
+    if sizes.zero1 and state.optim is None:
+        raise ConversionError("--zero1 asks for a ZeRO-1 optimizer state but the source holds no optimizer state; "
+                              "drop --zero1 (the tag then has the model only)")
+    if state.optim is not None:
+        names = set(state.names())
+        extra = sorted(set(state.optim.params) - names)
+        if extra:
+            raise ConversionError(f"the optimizer holds state for {extra[:3]} (and {max(0, len(extra) - 3)} more), which "
+                                  "the model does not have: the names do not match")
+    return assign_stages(state.names(), sizes.pp)
+
+
+def write_tag(state: FullState, dst: str, sizes: TagSizes, *, converted_from: dict,
+              progress: Optional[bool] = None) -> TagResult:
+    """Write ``state`` as the complete tag ``dst`` (checked with outdir.check_output_dir by the caller)."""
+    stages = plan_check(state, sizes)
+    stage_dir = dst + commit.STAGING_SUFFIX
+    shutil.rmtree(stage_dir, ignore_errors=True)
+    os.makedirs(stage_dir)
+    total = sum(t.nbytes for t in state.model)
+    if state.optim is not None:
+        total += sum(m.nbytes for ps in state.optim.params.values() for m in ps.moments.values())
+    w = _Writer(stage_dir, total, progress)
+    try:
+        w.small(layout.CHECKPOINT_MARKER, lambda f: f.write(b"1"))
+        models, optims = _skeletons(state, sizes, stages)
+        for t in state.model:
+            _write_param(w, state, t, sizes, stages[t.name], models, optims)
+        for f in list(models.values()) + list(optims.values()):
+            w.ref_file(f)
+        for name, obj in ((layout.SCHEDULER_FILE, state.scheduler), (layout.USER_CONTENT_FILE, state.user_content)):
+            if obj is not None:
+                w.small(name, lambda fo, obj=obj: torch.save(obj, fo))
+        _fsync(stage_dir, list(w.records))
+        _commit(w, os.path.basename(dst), sizes, state, converted_from)
+        publish_output(stage_dir, dst)
+    except BaseException:
+        shutil.rmtree(stage_dir, ignore_errors=True)
+        raise
+    finally:
+        if w.bar is not None:
+            w.bar.close()
+    return TagResult(dst, sizes.tp, sizes.pp, sizes.dp, sizes.zero1, len(state.model), len(w.records),
+                     sum(r.size for r in w.records.values()))
+
+
+def _skeletons(state: FullState, sizes: TagSizes, stages: Dict[str, int]):
+    """The ref data of every model and optimizer file, with a TensorReference per tensor to write."""
+    models: Dict[Tuple[int, int], _File] = {}
+    optims: Dict[Tuple[int, int, int], _File] = {}
+    for p in range(sizes.pp):
+        names = [t for t in state.model if stages[t.name] == p]
+        for r in range(sizes.tp):
+            f = _File(f"{layout.MODEL_DIR}/{layout.shard_filename(0, r, p)}", {})
+            for t in names:
+                f.data[t.name] = f.ref(t.name, t.partition.to_attrs() if t.partition else None)
+            models[(r, p)] = f
+        if state.optim is None:
+            continue
+        order = [t.name for t in names if t.name in state.optim.params]
+        for r in range(sizes.tp):
+            for d in range(sizes.dp if sizes.zero1 else 1):
+                optims[(r, p, d)] = _optim_file(state, order, sizes, r, p, d)
+    return models, optims
+
+
+def _groups(state: FullState, order: List[str]) -> List[dict]:
+    index = {n: i for i, n in enumerate(order)}
+    out = []
+    for hyper, names in state.optim.groups:
+        mine = [index[n] for n in names if n in index]
+        if mine:
+            out.append({**hyper, "params": mine})
+    if not out:   # no group information: one group with every parameter
+        out.append({"params": list(range(len(order)))})
+    return out
+
+
+def _optim_file(state: FullState, order: List[str], sizes: TagSizes, r: int, p: int, d: int) -> _File:
+    f = _File(f"{layout.OPTIM_DIR}/{layout.shard_filename(d, r, p)}", index={n: i for i, n in enumerate(order)})
+    params = state.optim.params
+    by_name = {t.name: t for t in state.model}
+    if not sizes.zero1:
+        f.data = {"state": {i: _entry(f, params[n], f"state/{i}") for i, n in enumerate(order)},
+                  "param_groups": _groups(state, order)}
+        return f
+    f.data = {"state": {}, "param_groups": _groups(state, order),
+              "base_state": {i: _entry(f, params[n], f"base_state/{i}") for i, n in enumerate(order)},
+              "shape_info": {i: torch.Size(tp_shard_shape(by_name[n].shape, by_name[n].partition, sizes.tp, n))
+                             for i, n in enumerate(order)},
+              "sharded_master_weights": {i: f.ref(f"sharded_master_weights/{i}") for i in range(len(order))}}
+    return f
+
+
+def _entry(f: _File, ps: ParamState, path: str) -> dict:
+    out = {}
+    if ps.step is not None:
+        out["step"] = f.ref(f"{path}/step") if isinstance(ps.step, torch.Tensor) else ps.step
+    for k in ps.moments:
+        out[k] = f.ref(f"{path}/{k}")
+    return out
+
+
+def _write_param(w: _Writer, state: FullState, t, sizes: TagSizes, p: int, models, optims) -> None:
+    """Load one full model tensor and its optimizer state; write every shard and piece of them."""
+    full = t.checked()
+    out = full.to(state.model_dtypes[t.name]) if t.name in state.model_dtypes else full
+    for r in range(sizes.tp):
+        f = models[(r, p)]
+        w.tensor(f, f.data[t.name], split_tp(out, t.partition, sizes.tp, r, t.name))
+    w.progress(t.nbytes)
+    del out
+    if state.optim is None or t.name not in state.optim.params:
+        return
+    ps = state.optim.params[t.name]
+    i = optims[(0, p, 0)].index[t.name]
+    root = "base_state" if sizes.zero1 else "state"
+    if sizes.zero1:
+        master = ps.master.checked() if ps.master is not None else full
+        _write_pieces(w, optims, p, sizes, master.float(), t, lambda f: f.data["sharded_master_weights"][i])
+    del full
+    for k, src in ps.moments.items():
+        _write_pieces(w, optims, p, sizes, src.checked(), t, lambda f, k=k: f.data[root][i][k])
+        w.progress(src.nbytes)
+    if isinstance(ps.step, torch.Tensor):
+        for (_r, fp, _d), f in optims.items():
+            if fp == p:
+                w.tensor(f, f.data[root][i]["step"], ps.step)
+
+
+def _write_pieces(w: _Writer, optims, p: int, sizes: TagSizes, full: torch.Tensor, t, ref_of) -> None:
+    for r in range(sizes.tp):
+        local = split_tp(full, t.partition, sizes.tp, r, t.name)
+        for d in range(sizes.dp if sizes.zero1 else 1):
+            f = optims[(r, p, d)]
+            piece = zero1_shard(local, d, sizes.dp) if sizes.zero1 else local
+            w.tensor(f, ref_of(f), piece)
+
+
+def _fsync(root: str, rels: List[str]) -> None:
+    from .zero1 import _fsync_files
+
+    _fsync_files(root, rels)
+
+
+def _commit(w: _Writer, tag: str, sizes: TagSizes, state: FullState, converted_from: dict) -> None:
+    from .zero1 import _rank_of
+
+    topo = sizes.topology()
+    files = {}
+    for rel, rec in sorted(w.records.items()):
+        files[rel] = {**rec.to_json(), "rank": _rank_of(rel, topo) if "/" in rel else 0}
+    flags = {"zero1": sizes.zero1, "xser": True, "has_model": True, "has_optim": state.optim is not None}
+    man = commit.build_manifest(tag, topo, flags, files, w.tensors)
+    man["converted_from"] = converted_from
+    body = json.dumps(man, indent=1).encode()
+    w.store.write_file(layout.MANIFEST_FILE, lambda f: f.write(body))
+    w.store.write_file(layout.DONE_MARKER, lambda f: f.write(commit.done_body(body)))
