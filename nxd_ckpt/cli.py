@@ -1,4 +1,4 @@
-"""The ``nxd-ckpt`` command: ls, info, verify, convert-zero1, export.
+"""The ``nxd-ckpt`` command: ls, info, verify, convert-zero1, export, import, reshard, to-dcp, from-dcp.
 
 ``main(argv)`` returns the exit code: 0 success, 1 a failure (damaged checkpoint, bad input; the message is
 printed as ``nxd-ckpt: error: ...``), 2 a usage error. Works on CPU without torch-xla or a process group.
@@ -23,6 +23,14 @@ _MAIN_EPILOG = """examples:
       --convert_to_sharded --dp_size 4      change the DP size of a ZeRO-1 optimizer state
   nxd-ckpt export ckpts/step_1000 --output hf_model --dtype bf16
                                            merge TP/PP shards into Hugging Face safetensors
+  nxd-ckpt import hf_model ckpts/imported --tp 8 --preset llama
+                                           Hugging Face safetensors -> a tag at any TP/PP
+  nxd-ckpt reshard ckpts/step_1000 ckpts/step_1000_tp4 --tp 4 --dp 2
+                                           a tag at new TP/PP/DP sizes
+  nxd-ckpt to-dcp ckpts/step_1000 dcp/step_1000
+                                           a tag -> torch.distributed.checkpoint (native PyTorch)
+  nxd-ckpt from-dcp dcp/step_1000 ckpts/step_1000 --tp 2 --dp 2 --zero1
+                                           torch.distributed.checkpoint -> a tag
 
 `nxd-ckpt COMMAND --help` describes each command."""
 
@@ -97,6 +105,28 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
                        epilog=export.EPILOG)
     export.add_arguments(p)
     p.set_defaults(func=_cmd_export)
+
+    from . import convert
+
+    helps = {"import": ("turn Hugging Face safetensors into a tag at given TP/PP sizes",
+                        "Split a Hugging Face checkpoint (one model.safetensors, or shards with their index) into a "
+                        "complete tag at --tp/--pp, with partition dims from --partition rules or --preset llama."),
+             "reshard": ("write a tag at new TP/PP/DP sizes",
+                         "Join every tensor (model, optimizer moments, master weights) by its recorded partition "
+                         "attributes and split it again at --tp/--pp/--dp, one tensor at a time, into a new "
+                         "complete tag that loads at the new sizes."),
+             "to-dcp": ("convert a tag to a torch.distributed.checkpoint for native PyTorch",
+                        "Write the full model, the optimizer state as torch.optim.AdamW keys it by parameter name, "
+                        "scheduler and user content as a DCP checkpoint (.metadata + .distcp) that dcp.load + "
+                        "set_state_dict (or TorchTitan, --layout torchtitan) resume from."),
+             "from-dcp": ("convert a torch.distributed.checkpoint into a tag",
+                          "Bring a DCP checkpoint (written by to-dcp, or by a PyTorch job with get_state_dict / "
+                          "TorchTitan) back into a tag at --tp/--pp/--dp [--zero1].")}
+    for name, (add, _run_fn) in convert.COMMANDS.items():
+        short, desc = helps[name]
+        p = sub.add_parser(name, help=short, description=desc, epilog=convert.EPILOGS[name])
+        add(p)
+        p.set_defaults(func=_cmd_convert_state, convert_fn=_run_fn)
     return parser
 
 
@@ -191,6 +221,21 @@ def _cmd_export(args) -> int:
               f"{', '.join(res.files) if len(res.files) <= 4 else f'{len(res.files)} files'}")
         if res.skipped:
             print(f"  skipped non-tensor entries: {', '.join(res.skipped)}")
+    return 0
+
+
+def _cmd_convert_state(args) -> int:
+    from .inspect import format_bytes
+
+    res = args.convert_fn(args)
+    if args.json:
+        _print_json(res.to_json())
+    else:
+        d = res.detail
+        what = (f"TP={d['tp']} PP={d['pp']} DP={d['dp']}" + (" ZeRO-1" if d.get("zero1") else "")) if "tp" in d \
+            else f"DCP ({d['layout']} layout{', with optimizer' if d['optimizer'] else ', model only'})"
+        print(f"{res.command}: {d['tensors']} tensors, {format_bytes(d['bytes_written'])} -> {res.output} "
+              f"as {what} in {res.seconds:.1f}s")
     return 0
 
 

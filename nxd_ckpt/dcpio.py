@@ -22,11 +22,13 @@ content, so ``from-dcp`` gives back the tag without partition rules.
 """
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
 import shutil
 import sys
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -169,6 +171,15 @@ def _streaming_planner(loaders: Dict[str, TensorSource], bar):
     return StreamingSavePlanner()
 
 
+@contextlib.contextmanager
+def _quiet_dcp():
+    """DCP warns that a no-process-group save is one process (intended here) and about its own TypedStorage use."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+        warnings.filterwarnings("ignore", message=".*TypedStorage is deprecated.*")
+        yield
+
+
 def write_dcp(state: FullState, dst: str, layout_kind: str = "plain", *, progress: Optional[bool] = None,
               source: str = "") -> DcpResult:
     """Write ``state`` as a DCP checkpoint directory ``dst`` (checked by the caller with check_output_dir)."""
@@ -189,7 +200,8 @@ def write_dcp(state: FullState, dst: str, layout_kind: str = "plain", *, progres
                    desc="to-dcp")
     try:
         writer = dcp.FileSystemWriter(stage, single_file_per_rank=True, sync_files=True, thread_count=1)
-        dcp.save(sd, storage_writer=writer, planner=_streaming_planner(loaders, bar), no_dist=True)
+        with _quiet_dcp():
+            dcp.save(sd, storage_writer=writer, planner=_streaming_planner(loaders, bar), no_dist=True)
         files = sorted(os.listdir(stage))
         _seal(stage, os.path.basename(dst), files, layout_kind, state, source)
         publish_output(stage, dst)
@@ -269,7 +281,8 @@ class _DcpReader:
 
         md = self.entries[key]
         out = {key: torch.empty(tuple(md.size), dtype=md.properties.dtype)}
-        dcp.load(out, checkpoint_id=self.path, no_dist=True)
+        with _quiet_dcp():
+            dcp.load(out, checkpoint_id=self.path, no_dist=True)
         return out[key]
 
     def value(self, key: str):

@@ -1,0 +1,275 @@
+"""The converting commands: `import`, `reshard`, `to-dcp`, `from-dcp`: a source, a sink, and their checks.
+
+Every command reads its input as a FullState (fullstate.py), checks that it can be written as asked before
+anything is written, then streams it into a sink (tagwrite.py, dcpio.py) one tensor at a time.
+"""
+from __future__ import annotations
+
+import fnmatch
+import json
+import os
+import re
+import time
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from .errors import CheckpointArgumentError
+from .fullstate import (ConversionError, FullState, TensorSource, check_tag_dir, partition_rules, read_tag,
+                        rule_partition)
+from .outdir import check_output_dir
+from .partition import layer_index
+from .tagwrite import TagSizes, plan_check, write_tag
+
+
+# --- Hugging Face safetensors source ---------------------------------------------------------------
+def _st_dtypes() -> Dict[str, torch.dtype]:
+    from .export import _ST_DTYPES
+
+    return {code: dt for dt, code in _ST_DTYPES.items()}
+
+
+def _hf_files(hf_dir: str) -> Dict[str, str]:
+    """{tensor name: file} of a Hugging Face checkpoint directory (an index, or one model.safetensors)."""
+    index = os.path.join(hf_dir, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            weight_map = json.load(f).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ConversionError(f"{index} has no weight_map: it is not a safetensors index")
+        return {k: os.path.join(hf_dir, v) for k, v in weight_map.items()}
+    files = sorted(n for n in os.listdir(hf_dir) if n.endswith(".safetensors"))
+    if len(files) != 1:
+        raise CheckpointArgumentError(
+            f"HF_DIR {hf_dir} has {len(files)} .safetensors files and no model.safetensors.index.json; pass a "
+            "directory written by save_pretrained (one model.safetensors, or shards with their index)")
+    from safetensors import safe_open
+
+    path = os.path.join(hf_dir, files[0])
+    with safe_open(path, framework="pt") as f:
+        return {k: path for k in f.keys()}
+
+
+def _model_order(names: Sequence[str]) -> List[str]:
+    """Names in a decoder's order (safetensors files sort by name): embeddings, then layers by number, then
+    the rest (final norm, LM head). Pipeline stages are cut in this order."""
+    def key(n):
+        i = layer_index(n)
+        if i is not None:
+            return (1, i)
+        return (0, 0) if re.search(r"embed|wte|wpe", n) else (2, 0)
+
+    return sorted(names, key=key)
+
+
+def read_hf(hf_dir: str, rules: Sequence[Tuple[str, int, int]]) -> FullState:
+    """A Hugging Face safetensors checkpoint as a FullState (model only), partitions from ``rules``."""
+    from safetensors import safe_open
+
+    if not os.path.isdir(hf_dir):
+        raise CheckpointArgumentError(f"HF_DIR {hf_dir} is not a directory")
+    where = _hf_files(hf_dir)
+    codes = _st_dtypes()
+    model = []
+    for name in _model_order(list(where)):
+        path = where[name]
+        with safe_open(path, framework="pt") as f:
+            if name not in f.keys():
+                raise ConversionError(f"{path} lacks {name!r}, which the index places there")
+            sl = f.get_slice(name)
+            shape, code = tuple(sl.get_shape()), sl.get_dtype()
+        if code not in codes:
+            raise ConversionError(f"{path}: {name!r} has safetensors dtype {code}, which torch cannot hold")
+
+        def load(path=path, name=name):
+            with safe_open(path, framework="pt") as f:
+                return f.get_tensor(name)
+
+        model.append(TensorSource(name, shape, codes[code], rule_partition(name, rules), load))
+    return FullState(model)
+
+
+# --- checks shared by the commands -----------------------------------------------------------------
+def check_rules(state: FullState, rules: Sequence[Tuple[str, int, int]], specs: Sequence[str], tp: int,
+                recorded: bool, flag_src: str) -> None:
+    """A --partition rule must match something; TP > 1 needs partition information from somewhere."""
+    names = state.names()
+    for spec, (glob, _d, _s) in zip(specs, rules):
+        if not any(fnmatch.fnmatchcase(n, glob) for n in names):
+            raise CheckpointArgumentError(f"--partition {spec!r} matches no tensor of {flag_src} (e.g. "
+                                          f"{', '.join(names[:3])}); fix the pattern")
+    if tp > 1 and not rules and not recorded:
+        raise ConversionError(
+            f"{flag_src} records no partition attributes, so splitting it over --tp {tp} needs rules: pass "
+            "--preset llama (Llama-family names) or --partition GLOB=DIM[:STRIDE] for each TP-split tensor "
+            "(e.g. --partition '*.q_proj.weight=0' --partition '*.o_proj.weight=1'); unmatched tensors are replicated")
+
+
+@dataclass
+class ConvertSummary:
+    command: str
+    output: str
+    seconds: float
+    detail: dict
+
+    def to_json(self) -> dict:
+        return {"command": self.command, "output": self.output, "seconds": self.seconds, **self.detail}
+
+
+def _sizes(args, default: Optional[TagSizes] = None) -> TagSizes:
+    d = default or TagSizes()
+    zero1 = d.zero1 if args.zero1 is None else args.zero1
+    return TagSizes(args.tp if args.tp is not None else d.tp, args.pp if args.pp is not None else d.pp,
+                    args.dp if args.dp is not None else d.dp, zero1)
+
+
+def _finish(command: str, dst: str, t0: float, res) -> ConvertSummary:
+    return ConvertSummary(command, dst, time.monotonic() - t0, res.to_json())
+
+
+# --- commands --------------------------------------------------------------------------------------
+def import_hf(args) -> ConvertSummary:
+    t0 = time.monotonic()
+    rules = partition_rules(args.partition, args.preset)
+    dst = check_output_dir(args.hf_dir, args.dst, flag="DST_TAG", example="ckpts/imported", overwrite=args.overwrite)
+    state = read_hf(args.hf_dir, rules)
+    sizes = _sizes(args)
+    if sizes.zero1:
+        raise CheckpointArgumentError("import brings in weights only; --zero1 needs an optimizer state")
+    check_rules(state, rules, args.partition, sizes.tp, False, f"HF_DIR {args.hf_dir}")
+    plan_check(state, sizes)
+    res = write_tag(state, dst, sizes, converted_from={"path": os.path.abspath(args.hf_dir), "format": "safetensors"})
+    return _finish("import", dst, t0, res)
+
+
+def _source_sizes(state: FullState, tagdir: str) -> TagSizes:
+    topo = state.topology
+    if not topo:
+        from .inspect import derived_topology
+
+        topo = derived_topology(tagdir)
+    from . import layout
+
+    zero1 = layout.folder_is_zero1(os.path.join(tagdir, layout.OPTIM_DIR))
+    return TagSizes(int(topo.get("tp") or 1), int(topo.get("pp") or 1), int(topo.get("dp") or 1), zero1)
+
+
+def reshard(args) -> ConvertSummary:
+    t0 = time.monotonic()
+    src = check_tag_dir(args.src)
+    dst = check_output_dir(src, args.dst, flag="DST_TAG", example="ckpts/step_1000_tp4", overwrite=args.overwrite)
+    state = read_tag(src, partitions=args.partition, trusted=args.trusted, optimizer=not args.no_optimizer)
+    before = _source_sizes(state, src)
+    sizes = _sizes(args, TagSizes(before.tp, before.pp, before.dp, before.zero1 and state.optim is not None))
+    plan_check(state, sizes)
+    res = write_tag(state, dst, sizes, converted_from={"path": src, "tp": before.tp, "pp": before.pp, "dp": before.dp})
+    return _finish("reshard", dst, t0, res)
+
+
+def to_dcp(args) -> ConvertSummary:
+    from .dcpio import write_dcp
+
+    t0 = time.monotonic()
+    src = check_tag_dir(args.src)
+    dst = check_output_dir(src, args.dst, flag="OUT_DIR", example="dcp/step_1000", overwrite=args.overwrite)
+    state = read_tag(src, partitions=args.partition, trusted=args.trusted, optimizer=not args.no_optimizer)
+    res = write_dcp(state, dst, args.layout, source=src)
+    return _finish("to-dcp", dst, t0, res)
+
+
+def from_dcp(args) -> ConvertSummary:
+    from .dcpio import read_dcp
+
+    t0 = time.monotonic()
+    rules = partition_rules(args.partition, args.preset)
+    dst = check_output_dir(args.src, args.dst, flag="DST_TAG", example="ckpts/from_dcp", overwrite=args.overwrite)
+    state = read_dcp(args.src, rules=rules, trusted=args.trusted, optimizer=not args.no_optimizer)
+    sizes = _sizes(args)
+    if sizes.zero1 and state.optim is None:
+        raise ConversionError(f"DCP_DIR {args.src} holds no optimizer state ('optim' / 'optimizer' entries), so "
+                              "--zero1 cannot be written; drop --zero1 to bring in the model only")
+    recorded = any(t.partition is not None for t in state.model)
+    check_rules(state, rules, args.partition, sizes.tp, recorded, f"DCP_DIR {args.src}")
+    plan_check(state, sizes)
+    res = write_tag(state, dst, sizes, converted_from={"path": os.path.abspath(args.src), "format": "dcp"})
+    return _finish("from-dcp", dst, t0, res)
+
+
+# --- command line ----------------------------------------------------------------------------------
+def _sizes_args(p, dp: bool = True, zero1: bool = True) -> None:
+    p.add_argument("--tp", type=int, metavar="N", help="tensor parallel size of the new tag")
+    p.add_argument("--pp", type=int, metavar="M", help="pipeline parallel size (must divide the layer count)")
+    if dp:
+        p.add_argument("--dp", type=int, metavar="K", help="data parallel size (matters for a ZeRO-1 optimizer)")
+    if zero1:
+        p.add_argument("--zero1", dest="zero1", action="store_true", default=None,
+                       help="write the optimizer as a ZeRO-1 state sharded over --dp ranks")
+        p.add_argument("--no-zero1", dest="zero1", action="store_false", help="write a plain (replicated) optimizer state")
+
+
+def _rules_args(p, preset: bool = True) -> None:
+    p.add_argument("--partition", action="append", default=[], metavar="GLOB=DIM[:STRIDE]",
+                   help="tensors matching GLOB are split over TP along DIM (strided when STRIDE > 1); repeatable; "
+                        "tensors matching no rule are replicated")
+    if preset:
+        p.add_argument("--preset", choices=["llama"], help="built-in rules: 'llama' splits the layers "
+                                                            "neuronx-distributed's Llama example makes parallel")
+
+
+def _common(p) -> None:
+    p.add_argument("--overwrite", action="store_true", help="replace a non-empty output directory")
+    p.add_argument("--trusted", action="store_true",
+                   help="unpickle without weights_only restrictions (only for checkpoints from a trusted source)")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+
+
+def add_import(p) -> None:
+    p.add_argument("hf_dir", metavar="HF_DIR", help="a Hugging Face checkpoint directory (safetensors)")
+    p.add_argument("dst", metavar="DST_TAG", help="the tag directory to write, e.g. ckpts/imported")
+    _sizes_args(p, zero1=False)
+    p.set_defaults(zero1=False)
+    _rules_args(p)
+    _common(p)
+
+
+def add_reshard(p) -> None:
+    p.add_argument("src", metavar="SRC_TAG", help="the tag to reshard (never modified)")
+    p.add_argument("dst", metavar="DST_TAG", help="the new tag directory")
+    _sizes_args(p)
+    _rules_args(p, preset=False)
+    p.add_argument("--no-optimizer", action="store_true", help="write the model only")
+    _common(p)
+
+
+def add_to_dcp(p) -> None:
+    from .dcpio import LAYOUTS
+
+    p.add_argument("src", metavar="SRC_TAG", help="the tag to convert (never modified)")
+    p.add_argument("dst", metavar="OUT_DIR", help="the DCP checkpoint directory to write")
+    p.add_argument("--layout", choices=LAYOUTS, default="plain",
+                   help="plain: top-level 'model' and 'optim' (get_state_dict's form); torchtitan: TorchTitan's "
+                        "checkpoint keys (default: plain)")
+    _rules_args(p, preset=False)
+    p.add_argument("--no-optimizer", action="store_true", help="write the model only")
+    _common(p)
+
+
+def add_from_dcp(p) -> None:
+    p.add_argument("src", metavar="DCP_DIR", help="a torch.distributed.checkpoint directory (holds .metadata)")
+    p.add_argument("dst", metavar="DST_TAG", help="the tag directory to write")
+    _sizes_args(p)
+    _rules_args(p)
+    p.add_argument("--no-optimizer", action="store_true", help="write the model only")
+    _common(p)
+
+
+EPILOGS = {
+    "import": "example:\n  nxd-ckpt import hf/Llama-3-8B ckpts/llama_tp8 --tp 8 --pp 4 --preset llama",
+    "reshard": "example:\n  nxd-ckpt reshard ckpts/step_1000 ckpts/step_1000_tp4 --tp 4 --dp 2",
+    "to-dcp": "example:\n  nxd-ckpt to-dcp ckpts/step_1000 dcp/step_1000\n"
+              "  nxd-ckpt to-dcp ckpts/step_1000 outputs/checkpoint/step-1000 --layout torchtitan",
+    "from-dcp": "example:\n  nxd-ckpt from-dcp dcp/step_1000 ckpts/step_1000 --tp 2 --dp 2 --zero1",
+}
+COMMANDS = {"import": (add_import, import_hf), "reshard": (add_reshard, reshard), "to-dcp": (add_to_dcp, to_dcp),
+            "from-dcp": (add_from_dcp, from_dcp)}
