@@ -1,9 +1,9 @@
 #!/usr/bin/env python
 """The demo's language model in native PyTorch (no XLA): resume an NxD run converted with `nxd-ckpt to-dcp`.
 
-The model is train_demo.py's TinyLM as one full module with the same parameter names (embed, pos,
-blocks.N.{ln1,qkv,proj,ln2,up,down}, ln_f, lm_head), sharded with FSDP2 (``fully_shard``) over every rank,
-trained with ``torch.optim.AdamW``. It loads the DCP checkpoint the way any native job does:
+The model is train_demo.py's Llama as transformers' ``LlamaForCausalLM`` (the same parameter names:
+model.embed_tokens.weight, model.layers.N.self_attn.q_proj.weight, ..., lm_head.weight), sharded with FSDP2
+(``fully_shard``) over every rank, trained with ``torch.optim.AdamW``. It loads the DCP checkpoint the way any native job does:
 
     model_sd, optim_sd = get_state_dict(model, optim)
     dcp.load({"model": model_sd, "optim": optim_sd, "scheduler": ..., "user_content": ...}, checkpoint_id=DIR)
@@ -13,7 +13,7 @@ and continues with the same data stream and learning-rate schedule. Run it on CP
 
     nxd-ckpt to-dcp ckpts/step_10 dcp/step_10
     python -m torch.distributed.run --standalone --nproc-per-node 2 scripts/native_demo.py \
-        --dcp dcp/step_10 --steps 12 --hidden 64 --ffn 256 --layers 2
+        --dcp dcp/step_10 --steps 12
 """
 from __future__ import annotations
 
@@ -28,59 +28,19 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
-class Block(torch.nn.Module):
-    def __init__(self, h: int, heads: int, ffn: int):
-        super().__init__()
-        self.heads, self.head_dim = heads, h // heads
-        self.ln1 = torch.nn.LayerNorm(h)
-        self.qkv = torch.nn.Linear(h, 3 * h)
-        self.proj = torch.nn.Linear(h, h)
-        self.ln2 = torch.nn.LayerNorm(h)
-        self.up = torch.nn.Linear(h, ffn)
-        self.down = torch.nn.Linear(ffn, h)
-
-    def forward(self, x, mask):
-        b, t, _ = x.shape
-        # QKV rows laid out [head, (q|k|v), head_dim], as in train_demo (whole heads per TP slice)
-        qkv = self.qkv(self.ln1(x)).view(b, t, self.heads, 3, self.head_dim)
-        q, k, v = (qkv[:, :, :, i].transpose(1, 2) for i in range(3))
-        att = (q @ k.transpose(-1, -2)) * self.head_dim ** -0.5 + mask
-        y = (att.softmax(-1) @ v).transpose(1, 2).reshape(b, t, self.heads * self.head_dim)
-        x = x + self.proj(y)
-        return x + self.down(F.gelu(self.up(self.ln2(x))))
-
-
-class NativeLM(torch.nn.Module):
-    """train_demo.TinyLM, unsharded, with the same parameter names."""
-
-    def __init__(self, vocab: int, hidden: int, heads: int, ffn: int, layers: int, seq_len: int):
-        super().__init__()
-        self.embed = torch.nn.Parameter(torch.zeros(vocab, hidden))
-        self.pos = torch.nn.Parameter(torch.zeros(seq_len, hidden))
-        self.blocks = torch.nn.ModuleDict({str(i): Block(hidden, heads, ffn) for i in range(layers)})
-        self.ln_f = torch.nn.LayerNorm(hidden)
-        self.lm_head = torch.nn.Linear(hidden, vocab, bias=False)
-        self.register_buffer("mask", torch.full((seq_len, seq_len), float("-inf")).triu(1), persistent=False)
-
-    def forward(self, tokens):
-        t = tokens.shape[1]
-        x = F.embedding(tokens, self.embed) + self.pos[:t]
-        for blk in self.blocks.values():
-            x = blk(x, self.mask[:t, :t])
-        return self.lm_head(self.ln_f(x))
-
-
 def build(args):
-    """NativeLM sharded with FSDP2 over every rank, AdamW, the demo's LR schedule."""
+    """The demo's Llama as transformers' LlamaForCausalLM (the same parameter names as train_demo's TinyLM),
+    sharded with FSDP2 over every rank; AdamW; the demo's LR schedule. ``args``: train_demo's model flags."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
+    from transformers import LlamaConfig, LlamaForCausalLM
 
-    from train_demo import WarmupCosine
+    from train_demo import WarmupCosine, llama_config
 
-    model = NativeLM(args.vocab, args.hidden, args.heads, args.ffn, args.layers, args.seq_len)
+    model = LlamaForCausalLM(LlamaConfig(**llama_config(args), attn_implementation="eager"))
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    for blk in model.blocks.values():
-        fully_shard(blk, mesh=mesh)
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     optim = torch.optim.AdamW(model.parameters(), lr=args.lr)
     sched = WarmupCosine(optim, args.lr, args.warmup, args.total_steps or args.steps)
@@ -113,7 +73,7 @@ def train(model, optim, sched, args, start_step: int, data_pos: int) -> dict:
     for step in range(start_step + 1, args.steps + 1):
         batch = stream.batch(data_pos + rank * local, local)
         data_pos += args.global_batch
-        logits = model(batch[:, :-1])
+        logits = model(batch[:, :-1]).logits
         loss = F.cross_entropy(logits.reshape(-1, args.vocab), batch[:, 1:].reshape(-1))
         loss.backward()
         optim.step()
@@ -126,15 +86,15 @@ def train(model, optim, sched, args, start_step: int, data_pos: int) -> dict:
 
 
 def parse_args(argv=None):
+    """--dcp DIR --steps N, plus train_demo.py's model and schedule flags (--hidden, --layers, --lr, ...)."""
+    from train_demo import parse_args as demo_args
+
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--dcp", required=True, help="the DCP checkpoint directory (nxd-ckpt to-dcp's output)")
-    p.add_argument("--steps", type=int, required=True, help="train until this global step")
-    for name, default in (("seed", 1234), ("warmup", 3), ("global-batch", 8), ("seq-len", 32), ("vocab", 32),
-                          ("hidden", 64), ("heads", 4), ("ffn", 256), ("layers", 2)):
-        p.add_argument(f"--{name}", type=int, default=default)
-    p.add_argument("--total-steps", type=int, default=None)
-    p.add_argument("--lr", type=float, default=1e-2)
-    return p.parse_args(argv)
+    own, rest = p.parse_known_args(argv)
+    args = demo_args(["--ckpt-dir", "-", *rest])
+    args.dcp = own.dcp
+    return args
 
 
 def main(argv=None):

@@ -17,10 +17,8 @@ from tiny_models import assert_bit_equal
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = os.path.join(ROOT, "scripts")
 SAVE_AT, STEPS = 3, 5
-CFG = {"vocab": 32, "hidden": 32, "heads": 4, "ffn": 64, "layers": 1, "seq_len": 16, "seed": 1234, "warmup": 3,
-       "global_batch": 8, "lr": 1e-2, "total_steps": STEPS}
-DEMO = ["--zero1", "--tp", "2", "--layers", "1", "--hidden", "32", "--ffn", "64", "--seq-len", "16",
-        "--steps", str(STEPS), "--total-steps", str(STEPS), "--ckpt-every", str(SAVE_AT), "--log-every", "1"]
+MODEL = ["--layers", "1", "--hidden", "32", "--ffn", "64", "--seq-len", "16", "--total-steps", str(STEPS)]
+DEMO = ["--zero1", "--tp", "2", *MODEL, "--steps", str(STEPS), "--ckpt-every", str(SAVE_AT), "--log-every", "1"]
 
 
 def _xla_rank(rank, world, argv):
@@ -68,20 +66,18 @@ def full_reference(tag):
     return model, optim
 
 
-def _native_rank(rank, world, dcp_dir, cfg, steps):
+def _native_rank(rank, world, dcp_dir, argv):
     """2 gloo ranks: FSDP2-sharded NativeLM + AdamW loaded from the DCP checkpoint; the full state after
     loading and the losses of the next steps (rank 0)."""
     if SCRIPTS not in sys.path:
         sys.path.insert(0, SCRIPTS)
-    from argparse import Namespace
-
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                          get_optimizer_state_dict)
 
     import native_demo
 
     torch.manual_seed(0)
-    args = Namespace(steps=steps, **cfg)
+    args = native_demo.parse_args(["--dcp", dcp_dir, *argv])
     model, optim, sched = native_demo.build(args)
     uc = native_demo.load_dcp(dcp_dir, model, optim, sched)
     full = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -109,7 +105,7 @@ def test_xla_run_resumes_in_native_pytorch_and_comes_back(xla_run, tmp_path):
     assert main(["to-dcp", str(tag), str(out)]) == 0
     assert sorted(os.listdir(out)) == [".metadata", "__0_0.distcp", "done", "manifest.json"]
 
-    got = run_ranks(_native_rank, 2, str(out), CFG, STEPS, timeout=180)[0]
+    got = run_ranks(_native_rank, 2, str(out), MODEL + ["--steps", str(STEPS)], timeout=180)[0]
     ref_model, ref_optim = full_reference(tag)
     assert_bit_equal(got["model"], ref_model, "model")
     assert set(got["optim"]) == set(ref_optim)
