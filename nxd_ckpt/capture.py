@@ -40,11 +40,30 @@ def model_state(model) -> Tuple[dict, Dict[str, dict]]:
     return sd, extra
 
 
-def optimizer_state(optimizer, zero1_flag: bool) -> Tuple[dict, bool]:
-    """(state dict, is ZeRO-1). A ZeRO-1 state dict carries ``base_state`` and ``shape_info``."""
+def optimizer_state(optimizer, zero1_flag: bool) -> Tuple[dict, bool, Dict[str, dict]]:
+    """(state dict, is ZeRO-1, expert flags by key path). A ZeRO-1 state dict carries ``base_state`` and
+    ``shape_info``."""
     sd = optimizer if isinstance(optimizer, dict) else optimizer.state_dict()
     looks_zero1 = isinstance(sd, dict) and "base_state" in sd and "shape_info" in sd
-    return sd, bool(zero1_flag or looks_zero1)
+    return sd, bool(zero1_flag or looks_zero1), optimizer_expert_paths(optimizer, sd)
+
+
+def optimizer_expert_paths(optimizer, sd) -> Dict[str, dict]:
+    """``state/<i>/<key>`` of every state tensor of an expert-parallel parameter of a torch optimizer, as
+    NxD's optimizer wrapper marks them (so an EP rank's expert state is written into its own folder)."""
+    groups = getattr(optimizer, "param_groups", None)
+    state = sd.get("state") if isinstance(sd, dict) else None
+    if isinstance(optimizer, dict) or not groups or not isinstance(state, dict):
+        return {}
+    out: Dict[str, dict] = {}
+    params = [p for g in groups for p in g.get("params", [])]
+    for idx, p in enumerate(params):
+        entry = state.get(idx)
+        if getattr(p, "expert_model_parallel", False) and isinstance(entry, dict):
+            for k, v in entry.items():
+                if isinstance(v, torch.Tensor):
+                    out[f"state/{idx}/{k}"] = {"expert_model_parallel": True}
+    return out
 
 
 def pickle_bytes(obj) -> bytes:
@@ -76,6 +95,8 @@ def tensor_meta(tensors: List[torch.Tensor], paths: Dict[int, str], attrs: Dict[
     for tid, t in enumerate(tensors):
         key = paths.get(tid, "")
         m = {"dtype": str(t.dtype).replace("torch.", ""), "shape": list(t.shape), "key": key}
+        if getattr(t, "expert_model_parallel", False):   # marked on the tensor itself, as NxD reads it
+            m["expert_model_parallel"] = True
         m.update(attrs.get(key, {}))
         meta[tid] = m
     return meta
@@ -105,8 +126,8 @@ def build_plan(world: World, model, optimizer, scheduler, user_content, use_xser
         sd, attrs = model_state(model)
         shards.append(_shard(world, layout.MODEL_DIR, sd, attrs, lambda r: model_filename(topo, r), use_xser))
     if optimizer is not None:
-        osd, zero1 = optimizer_state(optimizer, zero1_optimizer)
-        shards.append(_shard(world, layout.OPTIM_DIR, osd, {},
+        osd, zero1, expert = optimizer_state(optimizer, zero1_optimizer)
+        shards.append(_shard(world, layout.OPTIM_DIR, osd, expert,
                              lambda r: optim_filename(topo, r, zero1), use_xser))
     small: Dict[str, bytes] = {}
     if world.is_root:

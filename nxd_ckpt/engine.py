@@ -239,7 +239,7 @@ def _manifest_info(world: World, plan: SavePlan) -> dict:
             tensors[shard.relpath] = {str(tid): m for tid, m in shard.tensor_meta.items()}
     return {
         "topology": {"world_size": topo.world_size, "tp": topo.tp, "pp": topo.pp, "dp": topo.dp,
-                     "cp": topo.cp, "ep": topo.ep},
+                     "cp": topo.cp, "ep": topo.ep, "layout": topo.layout},
         "flags": {"zero1": plan.zero1, "xser": plan.xser, "has_model": plan.has_model,
                   "has_optim": plan.has_optim},
         "tensors": tensors,

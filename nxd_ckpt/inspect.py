@@ -49,7 +49,7 @@ def derived_topology(tagdir: str) -> dict:
         "world_size": None,
         "tp": 1 + max((s.tp for s in names), default=0),
         "pp": 1 + max((s.pp for s in names), default=0),
-        "dp": shards * ep if shards else None,
+        "dp": shards,   # ZeRO-1 files are named by the full DP rank, with or without EP
         "cp": None,
         "ep": ep,
     }

@@ -90,6 +90,23 @@ def tensor_path(ref_path: str, tid: int) -> str:
     return os.path.join(tensors_dir(ref_path), tensor_filename(tid))
 
 
+def tensor_home(ref_relpath: str, expert: bool) -> str:
+    """The shard whose ``.tensors/`` folder holds a tensor of ``ref_relpath`` (NxD's rule): the non-expert
+    tensors of an expert-parallel shard (a name with an ``ep_rank`` field) are written only under
+    ``ep_rank_00``'s folder, and read from there by every EP rank; everything else lives in its own folder."""
+    head, _, name = ref_relpath.rpartition("/")
+    s = parse_shard_filename(name)
+    if expert or s is None or not s.ep:
+        return ref_relpath
+    moved = shard_filename(s.dp, s.tp, s.pp, 0)
+    return f"{head}/{moved}" if head else moved
+
+
+def is_expert(info_entry) -> bool:
+    """Whether an ``.info.pt`` (or manifest) entry marks its tensor expert-parallel."""
+    return bool(info_entry and info_entry.get("expert_model_parallel"))
+
+
 def validate_tag(tag) -> str:
     """Return ``tag`` as a string, or raise ValueError when it cannot name a directory under the checkpoint dir."""
     if not isinstance(tag, (str, int)) or isinstance(tag, bool):

@@ -16,7 +16,7 @@ import torch
 from . import commit, errors, hostgroups, layout, reshard_load
 from .errors import (CheckpointNotFoundError, CorruptCheckpointError, StateMismatchError,
                      TopologyMismatchError)
-from .plan import model_filename, optim_filename, replica_groups
+from .plan import home_filename, model_filename, optim_filename, replica_groups
 from .reader import FileReader, read_shard, resolve, share_shard
 from .storage import Storage
 from .world import World
@@ -61,7 +61,7 @@ def saved_topology(storage: Storage, tag: str, manifest: Optional[dict]) -> dict
     if manifest is not None:
         t = dict(manifest["topology"])
         t.update(zero1=manifest["zero1"], xser=manifest["xser"])
-        t["zero1_shards"] = t["dp"] // t.get("ep", 1)
+        t["zero1_shards"] = t["dp"]
         return t
     model = layout.list_shard_files(storage.path(f"{tag}/{layout.MODEL_DIR}")) if hasattr(storage, "path") else {}
     optim = layout.list_shard_files(storage.path(f"{tag}/{layout.OPTIM_DIR}")) if hasattr(storage, "path") else {}
@@ -86,7 +86,7 @@ def check_topology(tag: str, saved: dict, world: World, loading_optim: bool) -> 
     for k in ("tp", "pp", "ep"):
         if saved.get(k, 1) != getattr(topo, k):
             problems.append(k)
-    dp_now = topo.edp if topo.ep > 1 else topo.dp
+    dp_now = topo.dp   # ZeRO-1 files are named by the full DP rank, expert parallel or not (NxD)
     if loading_optim and saved.get("zero1") and saved.get("zero1_shards") not in (None, dp_now):
         problems.append("dp")
     if not problems:
@@ -258,21 +258,20 @@ def _read_parts(reader: FileReader, saved: dict, world: World, want_model: bool,
     cooperative = world.distributed and world.world_size > 1 and not node_local
     xser_shard = bool(saved.get("xser", True))
     with ThreadPoolExecutor(max_workers=max(1, num_workers)) as pool:
-        if want_model:
-            name = model_filename(topo, world.rank)
-            rel = f"{layout.MODEL_DIR}/{name}"
-            _require(reader, rel, "model")
-            groups = replica_groups(topo, lambda r: model_filename(topo, r))
-            out["model"] = read_shard(reader, rel, groups[name], world.rank, pool, cooperative, xser_shard)
-            out["model_groups"] = list(groups.values())
-        if want_optim:
-            zero1 = bool(saved.get("zero1"))
-            name = optim_filename(topo, world.rank, zero1)
-            rel = f"{layout.OPTIM_DIR}/{name}"
-            _require(reader, rel, "optimizer")
-            groups = replica_groups(topo, lambda r: optim_filename(topo, r, zero1))
-            out["optim"] = read_shard(reader, rel, groups[name], world.rank, pool, cooperative, xser_shard)
-            out["optim_groups"] = list(groups.values())
+        zero1 = bool(saved.get("zero1"))
+        parts = (("model", layout.MODEL_DIR, want_model, lambda r: model_filename(topo, r)),
+                 ("optim", layout.OPTIM_DIR, want_optim, lambda r: optim_filename(topo, r, zero1)))
+        for part, folder, wanted, name_of in parts:
+            if not wanted:
+                continue
+            name = name_of(world.rank)
+            rel = f"{folder}/{name}"
+            _require(reader, rel, "model" if part == "model" else "optimizer")
+            groups = replica_groups(topo, name_of)
+            homes = replica_groups(topo, home_filename(name_of))   # who shares the non-expert tensors
+            out[part] = read_shard(reader, rel, groups[name], world.rank, pool, cooperative, xser_shard,
+                                   home_replicas=homes[layout.tensor_home(name, expert=False)])
+            out[f"{part}_groups"] = list(groups.values()) + list(homes.values())
     if want_scheduler:
         if not reader.exists(layout.SCHEDULER_FILE):
             raise StateMismatchError(f"checkpoint {reader.tag!r} has no {layout.SCHEDULER_FILE}; "
@@ -318,8 +317,7 @@ def _share(state: dict, world: World) -> None:
             continue
         shard = state[part]
         groups = hostgroups.replica_host_groups(state[f"{part}_groups"]) if world.distributed else {}
-        if len(shard.replicas) > 1:
-            share_shard(shard, groups[tuple(sorted(shard.replicas))])
+        share_shard(shard, groups)
         state[part] = resolve(shard)
 
 

@@ -44,13 +44,17 @@ def model_filename(topo: Topology, rank: int) -> str:
 
 
 def optim_filename(topo: Topology, rank: int, zero1: bool) -> str:
+    """A ZeRO-1 shard is named by the full DP rank, with no ep field even under expert parallelism (NxD);
+    a plain optimizer shard is named like the model's."""
     if not zero1:
         return model_filename(topo, rank)
-    if topo.ep > 1:
-        e = topo.expert_coords(rank)
-        return layout.shard_filename(e.edp, e.tp, e.pp, e.ep)
     c = topo.coords(rank)
     return layout.shard_filename(c.dp, c.tp, c.pp)
+
+
+def home_filename(name_of):
+    """``name_of`` with the ep field set to 0: the shard whose folder holds the non-expert tensors."""
+    return lambda r: layout.tensor_home(name_of(r), expert=False)
 
 
 def replica_groups(topo: Topology, name_of) -> Dict[str, List[int]]:
@@ -91,11 +95,14 @@ class ShardPlan:
 
 def plan_shard(folder: str, filename: str, replicas: List[int], rank: int, ref_bytes: bytes,
                tensors: List[torch.Tensor], tensor_meta: Dict[int, dict], xser: bool) -> ShardPlan:
-    """This rank's share of one shard: with xser its bin of tensor files; without, all or nothing."""
+    """This rank's share of one shard: with xser its bin of tensor files; without, all or nothing. An
+    expert-parallel shard other than ep_rank_00 writes only its expert tensors (layout.tensor_home)."""
     my_index = replicas.index(rank)
     if xser:
-        bins = assign_to_bins([tensor_nbytes(t) for t in tensors], len(replicas))
-        my_tids = bins[my_index]
+        own = [t for t in range(len(tensors))
+               if layout.tensor_home(filename, layout.is_expert(tensor_meta.get(t))) == filename]
+        bins = assign_to_bins([tensor_nbytes(tensors[t]) for t in own], len(replicas))
+        my_tids = sorted(own[i] for i in bins[my_index])
     else:
         my_tids = list(range(len(tensors))) if my_index == 0 else []
     return ShardPlan(folder, filename, replicas, my_index, ref_bytes, tensors, my_tids, tensor_meta, xser)
@@ -122,13 +129,6 @@ class SavePlan:
 
     def staged_bytes(self) -> int:
         return sum(s.my_bytes() for s in self.shards)
-
-
-def files_of_shard(relpath: str, num_tensors: int, xser: bool) -> List[str]:
-    """Every file a complete shard consists of (relative to the tag directory)."""
-    if not xser:
-        return [relpath]
-    return [relpath, layout.info_path(relpath)] + [layout.tensor_path(relpath, t) for t in range(num_tensors)]
 
 
 def partition_info(tensor: torch.Tensor) -> Optional[dict]:

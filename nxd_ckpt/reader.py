@@ -14,7 +14,7 @@ import warnings
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 import crc32c as _crc32c
 import torch
@@ -175,6 +175,9 @@ class ShardRead:
     info: Optional[dict]
     tensors: Dict[int, torch.Tensor] = field(default_factory=dict)
     replicas: List[int] = field(default_factory=list)
+    # tid -> the sorted ranks that hold the same tensor and share its read (the shard's replicas; for a
+    # non-expert tensor of an expert-parallel shard, every EP rank's replicas as well).
+    group_of: Dict[int, Tuple[int, ...]] = field(default_factory=dict)
     # A plain (non-xser) shard is one pickle: one replica reads it and ships its verified bytes.
     raw_owner: Optional[int] = None
     raw: Optional[bytes] = None
@@ -182,10 +185,13 @@ class ShardRead:
 
 
 def read_shard(reader: FileReader, relpath: str, replicas: List[int], rank: int, pool: ThreadPoolExecutor,
-               cooperative: bool, xser_shard: bool = True) -> ShardRead:
+               cooperative: bool, xser_shard: bool = True, home_replicas: Optional[List[int]] = None) -> ShardRead:
     """Read the ref (and info) of a shard and this rank's share of its tensors (all of them when the
     replicas cannot cooperate: no info file, or no process group). A plain shard is read by one replica
-    only (chosen by the file's name, so model and optimizer shards go to different replicas)."""
+    only (chosen by the file's name, so model and optimizer shards go to different replicas).
+
+    ``home_replicas``: the ranks whose shards keep their non-expert tensors in the same folder as this one
+    (``layout.tensor_home``; all EP ranks of an expert-parallel shard), who share reading them."""
     if cooperative and not xser_shard and len(replicas) > 1:
         owner = replicas[zlib.crc32(relpath.encode()) % len(replicas)]
         shard = ShardRead(relpath, None, [], {}, None, replicas=list(replicas), raw_owner=owner,
@@ -199,17 +205,25 @@ def read_shard(reader: FileReader, relpath: str, replicas: List[int], rank: int,
     info = None
     if tids and reader.exists(layout.info_path(relpath)):
         info = reader.load_pickle(layout.info_path(relpath))
-    if cooperative and info is not None and len(replicas) > 1 and all(t in info for t in tids):
-        sizes = [_info_nbytes(info[t]) for t in tids]
-        bins = assign_to_bins(sizes, len(replicas))
-        owner_of = {tids[i]: replicas[b] for b, idxs in enumerate(bins) for i in idxs}
+    complete = info is not None and all(t in info for t in tids)
+    # Without .info.pt (NxD <= 0.6) nothing says which tensors are experts: each lives in its own folder.
+    expert = {t: layout.is_expert(info[t]) if complete else True for t in tids}
+    home = {t: layout.tensor_home(relpath, expert[t]) for t in tids}
+    if cooperative and complete:
+        group_of = {t: tuple(sorted(replicas if expert[t] else (home_replicas or replicas))) for t in tids}
+        owner_of = {}
+        for group in set(group_of.values()):
+            members = [t for t in tids if group_of[t] == group]
+            bins = assign_to_bins([_info_nbytes(info[t]) for t in members], len(group))
+            owner_of.update({members[i]: group[b] for b, idxs in enumerate(bins) for i in idxs})
     else:
         owner_of = {t: rank for t in tids}
+        group_of = {t: (rank,) for t in tids}
         replicas = [rank]
     mine = [t for t in tids if owner_of[t] == rank]
-    loaded = pool.map(lambda t: reader.load_tensor(layout.tensor_path(relpath, t)), mine)
+    loaded = pool.map(lambda t: reader.load_tensor(layout.tensor_path(home[t], t)), mine)
     tensors = dict(zip(mine, loaded))
-    return ShardRead(relpath, ref_data, tids, owner_of, info, tensors, replicas)
+    return ShardRead(relpath, ref_data, tids, owner_of, info, tensors, list(replicas), group_of)
 
 
 def _info_nbytes(entry: dict) -> int:
@@ -219,23 +233,27 @@ def _info_nbytes(entry: dict) -> int:
     return n * torch.empty((), dtype=entry["dtype"]).element_size()
 
 
-def share_shard(shard: ShardRead, group) -> None:
-    """Phase two: every replica receives the tensors it did not read, from their readers."""
-    if len(shard.replicas) <= 1:
-        return
+def share_shard(shard: ShardRead, host_groups: Dict[Tuple[int, ...], object]) -> None:
+    """Phase two: every replica receives the tensors it did not read, from their readers. ``host_groups``
+    maps sorted rank tuples to gloo groups. Groups are served in one global order (sorted rank tuples),
+    so ranks that share several groups never wait on each other in a cycle."""
     if shard.raw_owner is not None:
-        _share_raw(shard, group)
+        if len(shard.replicas) > 1:
+            _share_raw(shard, host_groups[tuple(sorted(shard.replicas))])
         return
-    for tid in shard.tids:
-        src = shard.owner_of[tid]
-        if tid in shard.tensors:
-            t = shard.tensors[tid].contiguous()
-            shard.tensors[tid] = t
-        else:
-            e = shard.info[tid]
-            t = torch.empty(tuple(e["shape"]), dtype=e["dtype"])
-            shard.tensors[tid] = t
-        hostgroups.broadcast_tensor(t, src, group)
+    for group in sorted(set(shard.group_of.values())):
+        if len(group) <= 1:
+            continue
+        for tid in (t for t in shard.tids if shard.group_of[t] == group):
+            src = shard.owner_of[tid]
+            if tid in shard.tensors:
+                t = shard.tensors[tid].contiguous()
+                shard.tensors[tid] = t
+            else:
+                e = shard.info[tid]
+                t = torch.empty(tuple(e["shape"]), dtype=e["dtype"])
+                shard.tensors[tid] = t
+            hostgroups.broadcast_tensor(t, src, host_groups[group])
 
 
 def _share_raw(shard: ShardRead, group) -> None:

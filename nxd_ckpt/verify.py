@@ -366,8 +366,15 @@ def _verify_nxd(tagdir: str, res: VerifyResult, workers: int, progress, trusted:
                 except CheckpointError as exc:
                     res.problems.append((rel, str(exc)))
                     continue
+                info = None
+                if (layout.parse_shard_filename(name) or layout.ShardName(0, 0, 0)).ep:
+                    try:   # non-expert tensors of ep_rank > 0 live in ep_rank_00's folder (layout.tensor_home)
+                        info = reader.info(rel)
+                    except CheckpointError as exc:
+                        res.problems.append((layout.info_path(rel), str(exc)))
                 for tid in xser.collect_tids(data):
-                    tensor_files.append(layout.tensor_path(rel, tid).replace(os.sep, "/"))
+                    expert = layout.is_expert(info.get(tid)) if info is not None else True
+                    tensor_files.append(layout.tensor_path(layout.tensor_home(rel, expert), tid).replace(os.sep, "/"))
             else:
                 try:
                     reader.plain(rel, mmap=True)

@@ -315,6 +315,34 @@ def _scan_optim(root: str, folder_rel: str) -> Tuple[Dict[tuple, Dict[int, str]]
     return shards, False
 
 
+#: A key of NxD's expert-parallel ZeRO-1 state dict (NeuronEPZero1Optimizer): where expert parameters start.
+EP_OFFSET_KEY = "ep_param_id_offset"
+
+
+def _ep_refusal(input_dir: str, evidence: str) -> str:
+    return (f"{input_dir} holds expert-parallel optimizer state ({evidence}). NxD's ZeRO-1 optimizer for MoE "
+            "shards non-expert parameters over DP and expert parameters over expert-DP, and convert-zero1 "
+            "re-shards only over DP, so it would mix the two up; it does not convert expert-parallel "
+            "checkpoints. Resume at the saved DP and EP sizes, or load the model alone at the new size and "
+            "start the optimizer afresh")
+
+
+def _refuse_expert_parallel(input_dir: str, tagdir: Optional[str], manifest: Optional[dict],
+                            groups_in: Dict[tuple, Dict[int, str]]) -> None:
+    """Raise Zero1FormatError, before anything is written, when the input was saved with EP > 1."""
+    ep = int((manifest or {}).get("topology", {}).get("ep") or 1)
+    if ep > 1:
+        raise Zero1FormatError(_ep_refusal(input_dir, f"its manifest says EP={ep}"))
+    named = sorted(name for files in groups_in.values() for name in files.values()
+                   if (layout.parse_shard_filename(name) or layout.parse_full_filename(name)).ep is not None)
+    if named:
+        raise Zero1FormatError(_ep_refusal(input_dir, f"optimizer files named by ep rank, e.g. {named[0]}"))
+    model = os.path.join(tagdir, layout.MODEL_DIR) if tagdir else None
+    experts = sorted(n for s, n in layout.list_shard_files(model).items() if s.ep is not None) if model else []
+    if experts:
+        raise Zero1FormatError(_ep_refusal(input_dir, f"model files named by ep rank, e.g. model/{experts[0]}"))
+
+
 def _ranges(nums) -> str:
     nums = sorted(nums)
     out, start = [], None
@@ -389,6 +417,7 @@ def convert_zero1(input_dir: str, output_dir: str, *, to_full: bool = False, dp_
     reader = CheckedReader(in_root, manifest, trusted)
     in_prefix = f"{in_folder}/" if in_folder else ""
     groups_in, full_in = _scan_optim(in_root, in_folder)
+    _refuse_expert_parallel(input_dir, src if tag_mode else None, manifest, groups_in)
     if to_full and full_in:
         raise CheckpointArgumentError(f"{input_dir} already holds full optimizer files; nothing to do with "
                                       "--convert_to_full (use --convert_to_sharded --dp_size N)")
@@ -416,6 +445,8 @@ def convert_zero1(input_dir: str, output_dir: str, *, to_full: bool = False, dp_
         grp = Group(layout.ShardName(0, tp, pp, ep), in_rels, out_rels)
         grp.sources = [reader.refs(r) if xser_in else None for r in in_rels]
         first = grp.sources[0] if xser_in else plain_reader.plain(in_rels[0], mmap=True)
+        if isinstance(first, dict) and EP_OFFSET_KEY in first:
+            raise Zero1FormatError(_ep_refusal(input_dir, f"{in_rels[0]} holds {EP_OFFSET_KEY!r}"))
         grp.template, grp.slots, grp.shape_info = build_template(first, reader.path(in_rels[0]))
         if xser_in:
             for j, s in enumerate(grp.sources[1:], 1):
@@ -789,7 +820,7 @@ def _write_manifest(out: LocalStorage, tag: str, in_manifest: Optional[dict], sr
     cp = int(topo.get("cp") or 1)
     tp = int(topo.get("tp") or 1)
     pp = int(topo.get("pp") or 1)
-    dp = g_out * ep
+    dp = g_out   # expert-parallel inputs are refused (_refuse_expert_parallel)
     topo.update(tp=tp, pp=pp, cp=cp, ep=ep, dp=dp, world_size=tp * pp * dp * cp)
     flags = {"zero1": True, "xser": xser_out,
              "has_model": os.path.isdir(os.path.join(src, layout.MODEL_DIR)), "has_optim": True}
@@ -818,7 +849,8 @@ def _write_manifest(out: LocalStorage, tag: str, in_manifest: Optional[dict], sr
 
 
 def _rank_of(rel: str, topo: dict) -> int:
-    """The global rank that owns optimizer file ``rel`` in the new topology (rank grid of DESIGN 2.3)."""
+    """The global rank that owns optimizer file ``rel`` in the new topology, on the row-major grid of
+    DESIGN 2.3 (informational: a converted tag was written by no rank)."""
     name = rel.split("/")[-1]
     s = layout.parse_shard_filename(name)
     if s is None:
@@ -826,10 +858,7 @@ def _rank_of(rel: str, topo: dict) -> int:
         if f is None:
             return 0
         s = layout.ShardName(0, f.tp, f.pp, f.ep)
-    tp, dp, cp, ep = (int(topo.get(k) or 1) for k in ("tp", "dp", "cp", "ep"))
-    if ep > 1:  # the [PP, EDP, EP, TP] view; the file's dp field is the expert-DP rank
-        edp = max(1, dp * cp // ep)
-        return ((s.pp * edp + s.dp) * ep + (s.ep or 0)) * tp + s.tp
+    tp, dp, cp = (int(topo.get(k) or 1) for k in ("tp", "dp", "cp"))
     return ((s.pp * dp + s.dp) * cp) * tp + s.tp
 
 

@@ -205,39 +205,3 @@ def test_zero1_dp4_layout_and_reload(tmp_path):
     assert full_up.shape == (8, 6) and torch.count_nonzero(full_up[6:]) == 0  # zero padding rows
 
 
-# ---- expert parallel -----------------------------------------------------------------------------
-def _ep_rank(rank, world, root):
-    import nxd_ckpt
-
-    ps = _setup(ep=2)
-    dev = xla_device()
-    ep_rank = ps.get_expert_model_parallel_rank()
-    model = TinyShard(seed_offset=ep_rank).to(dev)
-    model.up.expert_model_parallel = True
-    opt = torch.optim.Adam(model.parameters(), lr=0.01)
-    train_steps(model, opt, 1, seed=2, dp_rank=ep_rank)   # replicas of an EP shard train alike
-    written = _count_writes()
-    nxd_ckpt.save_checkpoint(root, "step_2", model=model, optimizer=opt)
-    fresh = TinyShard(seed_offset=99).to(dev)
-    fresh_opt = torch.optim.Adam(fresh.parameters(), lr=0.5)
-    nxd_ckpt.load_checkpoint(root, model=fresh, optimizer=fresh_opt)
-    assert_bit_equal(to_cpu_state(model.state_dict()), to_cpu_state(fresh.state_dict()), "model")
-    assert_bit_equal(to_cpu_state(opt.state_dict()), to_cpu_state(fresh_opt.state_dict()), "optim")
-    return list(written)
-
-
-def test_expert_parallel_names(tmp_path):
-    root = str(tmp_path / "ckpt")
-    per_rank = run_ranks(_ep_rank, 4, root, timeout=180)
-    files = all_files(root)
-    want = {"newest", "step_2/checkpoint", "step_2/done", "step_2/manifest.json"}
-    for folder, n in (("model", 4), ("optim", 9)):
-        for e in range(2):
-            base = f"step_2/{folder}/dp_rank_00_ep_rank_{e:02d}_tp_rank_00_pp_rank_00.pt"
-            want |= {base, base + ".info.pt"} | {f"{base}.tensors/tensor_{i}.pt" for i in range(n)}
-    assert files == want
-    _written_once(per_rank)
-    refs = sorted(f for f in files if f.startswith("step_2/model/") and f.endswith(".pt") and ".pt." not in f)
-    assert refs == [f"step_2/model/dp_rank_00_ep_rank_{e:02d}_tp_rank_00_pp_rank_00.pt" for e in range(2)]
-    info = torch.load(os.path.join(root, refs[0] + ".info.pt"), weights_only=True)
-    assert sum(1 for v in info.values() if v["expert_model_parallel"]) == 1

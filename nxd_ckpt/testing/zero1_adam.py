@@ -73,9 +73,20 @@ class ZeroOneAdam:
         if self.dp_group is not None and self.dp_size > 1:
             parts = [torch.empty_like(mine) for _ in range(self.dp_size)]
             dist.all_gather(parts, mine, group=self.dp_group)
+            # all_gather orders by position in the sorted group; shards go by DP rank, which NxD's trn2
+            # layout counts by list position instead
+            parts = [parts[i] for i in self._members_by_dp_rank()]
         else:
             parts = [mine]
         p.copy_(unshard(parts, p.shape).to(p.dtype).to(p.device))
+
+    def _members_by_dp_rank(self) -> List[int]:
+        if getattr(self, "_order", None) is None:
+            ranks = [torch.zeros(1, dtype=torch.int64) for _ in range(self.dp_size)]
+            dist.all_gather(ranks, torch.tensor([self.dp_rank]), group=self.dp_group)
+            by_rank = {int(r.item()): i for i, r in enumerate(ranks)}
+            self._order = [by_rank[d] for d in range(self.dp_size)]
+        return self._order
 
     def state_dict(self) -> dict:
         sd = {
@@ -100,3 +111,64 @@ class ZeroOneAdam:
                 self.master[i] = masters[i].to(p.device)
             else:  # re-shard from the (already loaded) parameters
                 self.master[i] = shard_of(p.detach().cpu().float(), self.dp_rank, self.dp_size).to(p.device)
+
+
+class ZeroOneEPAdam:
+    """ZeRO-1 Adam for expert parallelism, in the state-dict format of NxD's ``NeuronEPZero1Optimizer``:
+    non-expert parameters sharded over the data-parallel group, expert parameters (``expert_model_parallel``
+    set) over the expert-data-parallel group; ``state_dict()`` concatenates the two states, the expert one
+    after the ``ep_*_offset`` keys."""
+
+    def __init__(self, params, lr=1e-2, *, dp_group, dp_rank: int, dp_size: int, edp_group, edp_rank: int,
+                 edp_size: int, save_master_weights: bool = True):
+        params = list(params)
+        is_ep = [bool(getattr(p, "expert_model_parallel", False)) for p in params]
+        self.non_ep = ZeroOneAdam([p for p, e in zip(params, is_ep) if not e], lr=lr, dp_group=dp_group,
+                                  dp_rank=dp_rank, dp_size=dp_size, save_master_weights=save_master_weights)
+        self.ep = ZeroOneAdam([p for p, e in zip(params, is_ep) if e], lr=lr, dp_group=edp_group,
+                              dp_rank=edp_rank, dp_size=edp_size, save_master_weights=save_master_weights)
+
+    def zero_grad(self):
+        self.non_ep.zero_grad()
+        self.ep.zero_grad()
+
+    def step(self):
+        self.non_ep.step()
+        self.ep.step()
+
+    @staticmethod
+    def _offset(d: dict) -> int:
+        return max(d) + 1 if d else 1    # as NxD computes it (1 for an empty dict)
+
+    def state_dict(self) -> dict:
+        a, b = self.non_ep.state_dict(), self.ep.state_dict()
+        offsets = {"ep_param_id_offset": self._offset(a["state"]), "ep_param_group_offset": len(a["param_groups"]),
+                   "ep_base_state_offset": self._offset(a["base_state"]),
+                   "ep_shape_info_offset": self._offset(a["shape_info"])}
+        sd = dict(offsets, param_groups=a["param_groups"] + b["param_groups"])
+        for key, off in (("state", "ep_param_id_offset"), ("base_state", "ep_base_state_offset"),
+                         ("shape_info", "ep_shape_info_offset")):
+            sd[key] = {**a[key], **{offsets[off] + k: v for k, v in b[key].items()}}
+        if "sharded_master_weights" in a:
+            off = offsets["ep_base_state_offset"]
+            sd["sharded_master_weights"] = {**a["sharded_master_weights"],
+                                            **{off + k: v for k, v in b["sharded_master_weights"].items()}}
+        return sd
+
+    def load_state_dict(self, sd: dict) -> None:
+        groups = sd["ep_param_group_offset"]
+
+        def split(key, off):
+            src = sd.get(key)
+            if src is None:
+                return None, None
+            return ({k: v for k, v in src.items() if k < off}, {k - off: v for k, v in src.items() if k >= off})
+
+        parts = {}
+        for key, off in (("state", "ep_param_id_offset"), ("base_state", "ep_base_state_offset"),
+                         ("shape_info", "ep_shape_info_offset"), ("sharded_master_weights", "ep_base_state_offset")):
+            parts[key] = split(key, sd[off])
+        for i, opt in enumerate((self.non_ep, self.ep)):
+            part = {k: v[i] for k, v in parts.items() if v[0] is not None}
+            part["param_groups"] = sd["param_groups"][:groups] if i == 0 else sd["param_groups"][groups:]
+            opt.load_state_dict(part)

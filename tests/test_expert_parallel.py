@@ -1,0 +1,274 @@
+"""Expert parallelism exactly as NxD 2.29 (DESIGN 2.6): file names, where non-expert tensors live, expert flags,
+ZeRO-1 and plain optimizers, both directions; 4 ranks as EP=2 x expert-DP=2 (DP=4)."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import xser
+from harness import run_ranks
+from nxd_ckpt import layout
+from tiny_models import TinyShard, all_files, assert_bit_equal, sync, to_cpu_state
+
+HIDDEN = 8
+
+
+# ---- a tiny MoE-like model: `up` is an expert weight (different per EP rank), the rest is shared -------------
+def _expert_weight(ep: int) -> torch.Tensor:
+    return torch.randn(HIDDEN, HIDDEN, generator=torch.Generator().manual_seed(77 + ep))
+
+
+def _ep_model(ps, seed_offset=0):
+    model = TinyShard(hidden=HIDDEN, seed_offset=seed_offset)
+    with torch.no_grad():
+        model.up.copy_(_expert_weight(ps.get_expert_model_parallel_rank() + seed_offset).to(model.up.device))
+    model.up.expert_model_parallel = True
+    return model
+
+
+def _make_opt(ps, model, zero1):
+    if not zero1:
+        return torch.optim.Adam(model.parameters(), lr=0.01)
+    from nxd_ckpt.testing import ZeroOneEPAdam
+
+    return ZeroOneEPAdam(model.parameters(), lr=0.01,
+                         dp_group=ps.get_data_parallel_host_group(), dp_rank=ps.get_data_parallel_rank(),
+                         dp_size=ps.get_data_parallel_size(), edp_group=ps.get_expert_data_parallel_host_group(),
+                         edp_rank=ps.get_expert_data_parallel_rank(), edp_size=ps.get_expert_data_parallel_size())
+
+
+def _train(ps, model, opt, steps, start, zero1):
+    """Deterministic steps: non-expert gradients averaged over DP, expert ones over expert-DP (as NxD)."""
+    import torch.distributed as dist
+
+    dev = model.up.device
+    for s in range(start, start + steps):
+        g = torch.Generator().manual_seed(50 + 10 * s + ps.get_data_parallel_rank())
+        loss = model(torch.randn(4, HIDDEN, generator=g).to(dev)).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        if not zero1:   # ZeroOneEPAdam reduces over its own groups
+            for p in model.parameters():
+                expert = getattr(p, "expert_model_parallel", False)
+                group = ps.get_expert_data_parallel_host_group() if expert else ps.get_data_parallel_host_group()
+                size = ps.get_expert_data_parallel_size() if expert else ps.get_data_parallel_size()
+                grad = p.grad.detach().cpu()
+                dist.all_reduce(grad, group=group)
+                p.grad = (grad / size).to(dev)
+        opt.step()
+        sync()
+
+
+def _opt_state(opt):
+    return to_cpu_state(opt.state_dict())
+
+
+def _ep_round_trip_rank(rank, world, root, zero1):
+    import nxd_ckpt
+    import parallel_state as ps
+    from nxd_ckpt.storage import set_write_hook
+
+    ps.initialize_model_parallel(expert_model_parallel_size=2)
+    model = _ep_model(ps)
+    opt = _make_opt(ps, model, zero1)
+    _train(ps, model, opt, 2, 0, zero1)
+    written = []
+    set_write_hook(written.append)
+    nxd_ckpt.save_checkpoint(root, "step_2", model=model, optimizer=opt, use_xser=True)
+    set_write_hook(None)
+    saved_model, saved_opt = to_cpu_state(model.state_dict()), _opt_state(opt)
+    _train(ps, model, opt, 2, 2, zero1)   # the uninterrupted run
+    final = (to_cpu_state(model.state_dict()), _opt_state(opt))
+
+    fresh = _ep_model(ps, seed_offset=9)
+    fresh_opt = _make_opt(ps, fresh, zero1)
+    nxd_ckpt.load_checkpoint(root, model=fresh, optimizer=fresh_opt)
+    assert_bit_equal(saved_model, to_cpu_state(fresh.state_dict()), "model")
+    assert_bit_equal(saved_opt, _opt_state(fresh_opt), "optim")
+    _train(ps, fresh, fresh_opt, 2, 2, zero1)   # resumed
+    assert_bit_equal(final, (to_cpu_state(fresh.state_dict()), _opt_state(fresh_opt)), "resumed")
+    return {"written": written, "dp": ps.get_data_parallel_rank(), "ep": ps.get_expert_model_parallel_rank()}
+
+
+# ---- the files NxD writes for this state (DESIGN 2.6) ------------------------------------------------------
+MODEL_TENSORS = 4            # up (expert), down, bias, steps_seen
+PLAIN_OPTIM_TENSORS = 9      # step, exp_avg, exp_avg_sq of up (expert), down, bias
+PLAIN_OPTIM_EXPERT = 3       # tids 0-2: up's state
+ZERO1_TENSORS = 12           # base_state (3 x 3) + sharded_master_weights (3)
+
+
+def _shard_files(folder, name, tids):
+    base = f"{folder}/{name}"
+    return {base, base + ".info.pt"} | {f"{base}.tensors/tensor_{t}.pt" for t in tids}
+
+
+def nxd_file_set(zero1: bool) -> set:
+    files = {"checkpoint", "done"}
+    for ep in range(2):
+        name = layout.shard_filename(0, 0, 0, ep)
+        files |= _shard_files("model", name, range(MODEL_TENSORS) if ep == 0 else [0])
+        if not zero1:
+            files |= _shard_files("optim", name, range(PLAIN_OPTIM_TENSORS if ep == 0 else PLAIN_OPTIM_EXPERT))
+    if zero1:
+        for dp in range(4):
+            files |= _shard_files("optim", layout.shard_filename(dp, 0, 0), range(ZERO1_TENSORS))
+    return files
+
+
+@pytest.mark.parametrize("zero1", [True, False], ids=["zero1", "adam"])
+def test_ep2_round_trip_and_resume_with_nxds_file_names(tmp_path, zero1):
+    root = str(tmp_path / "ckpt")
+    results = run_ranks(_ep_round_trip_rank, 4, root, zero1, timeout=300)
+    tag = os.path.join(root, "step_2")
+    assert all_files(tag) == nxd_file_set(zero1) | {"manifest.json"}
+    payload = [w for r in results for w in r["written"] if "/model/" in w or "/optim/" in w]
+    assert len(payload) == len(set(payload)), "a file was written by two ranks"
+    for r in results:   # ZeRO-1 files are named by the full DP rank, the writer's own
+        if zero1:
+            assert any(f"/optim/dp_rank_{r['dp']:02d}_tp_rank_00_pp_rank_00.pt" in w for w in r["written"])
+    model_info = [torch.load(os.path.join(tag, "model", layout.shard_filename(0, 0, 0, e) + ".info.pt"),
+                             weights_only=True) for e in range(2)]
+    refs = xser.load_refs(os.path.join(tag, "model", layout.shard_filename(0, 0, 0, 1)))
+    assert refs["up"].tid == 0
+    for info in model_info:
+        assert [info[t]["expert_model_parallel"] for t in range(MODEL_TENSORS)] == [True, False, False, False]
+    if not zero1:
+        info = torch.load(os.path.join(tag, "optim", layout.shard_filename(0, 0, 0, 1) + ".info.pt"),
+                          weights_only=True)
+        assert [info[t]["expert_model_parallel"] for t in range(PLAIN_OPTIM_TENSORS)] == [True] * 3 + [False] * 6
+
+
+# ---- NxD's own EP checkpoints, built by hand from its documented behaviour, load bit-exact -----------------
+def _nxd_model(ep):
+    g = torch.Generator().manual_seed(5)
+    return {"up": _expert_weight(100 + ep), "down": torch.randn(HIDDEN, HIDDEN, generator=g),
+            "bias": torch.randn(HIDDEN, generator=g), "steps_seen": torch.tensor(7)}
+
+
+def _nxd_zero1(dp):
+    g = torch.Generator().manual_seed(300 + dp)
+    adam = lambda rows: {"step": torch.tensor(3.0), "exp_avg": torch.randn(rows, HIDDEN, generator=g),  # noqa: E731
+                         "exp_avg_sq": torch.rand(rows, HIDDEN, generator=g)}
+    group = {"lr": 0.01, "betas": (0.9, 0.999), "eps": 1e-8}
+    return {"ep_param_id_offset": 1, "ep_param_group_offset": 1, "ep_base_state_offset": 2, "ep_shape_info_offset": 2,
+            "param_groups": [dict(group, params=[0, 1]), dict(group, params=[0])], "state": {},
+            "base_state": {0: adam(2), 1: {"step": torch.tensor(3.0), "exp_avg": torch.randn(2, generator=g),
+                                           "exp_avg_sq": torch.rand(2, generator=g)}, 2: adam(4)},
+            "shape_info": {0: torch.Size([HIDDEN, HIDDEN]), 1: torch.Size([HIDDEN]), 2: torch.Size([HIDDEN, HIDDEN])},
+            "sharded_master_weights": {0: torch.randn(2, HIDDEN, generator=g), 1: torch.randn(2, generator=g),
+                                       2: torch.randn(4, HIDDEN, generator=g)}}
+
+
+def _nxd_adam(ep):
+    g = torch.Generator().manual_seed(400)   # non-expert state: the same on every EP rank
+    e = torch.Generator().manual_seed(500 + ep)
+    moments = lambda shape, gen: {"step": torch.tensor(3.0), "exp_avg": torch.randn(*shape, generator=gen),  # noqa: E731
+                                  "exp_avg_sq": torch.rand(*shape, generator=gen)}
+    return {"state": {0: moments((HIDDEN, HIDDEN), e), 1: moments((HIDDEN, HIDDEN), g), 2: moments((HIDDEN,), g)},
+            "param_groups": [{"lr": 0.01, "betas": (0.9, 0.999), "eps": 1e-8, "params": [0, 1, 2]}]}
+
+
+def _write_nxd_shard(tagdir, rel, state, expert_tids, written_tids):
+    """NxD's xser shard: ref pickle, .info.pt {tid: dtype, shape, expert_model_parallel}, tensor files."""
+    ref, tensors = xser.to_refs(state)
+    path = os.path.join(tagdir, rel)
+    os.makedirs(path + ".tensors", exist_ok=True)
+    for tid in written_tids:
+        with open(os.path.join(path + ".tensors", f"tensor_{tid}.pt"), "wb") as f:
+            xser.write_tensor(tensors[tid], f)
+    info = {tid: {"dtype": t.dtype, "shape": t.shape, "expert_model_parallel": tid in expert_tids}
+            for tid, t in enumerate(tensors)}
+    torch.save(info, path + ".info.pt")
+    with open(path, "wb") as f:
+        xser.dump_refs(ref, f)
+
+
+def build_nxd_ep_tag(tagdir: str, zero1: bool) -> None:
+    """A tag as NxD 2.29 writes it at EP=2 x expert-DP=2 (4 ranks, TP=PP=1)."""
+    for ep in range(2):
+        name = layout.shard_filename(0, 0, 0, ep)
+        # non-expert tensors only under ep_rank_00; every EP rank writes its own ref and info
+        _write_nxd_shard(tagdir, f"model/{name}", _nxd_model(ep), {0}, range(MODEL_TENSORS) if ep == 0 else [0])
+        if not zero1:
+            _write_nxd_shard(tagdir, f"optim/{name}", _nxd_adam(ep), set(range(PLAIN_OPTIM_EXPERT)),
+                             range(PLAIN_OPTIM_TENSORS) if ep == 0 else range(PLAIN_OPTIM_EXPERT))
+    if zero1:   # one file per full DP rank, no ep field; NxD marks no ZeRO-1 tensor as expert
+        for dp in range(4):
+            _write_nxd_shard(tagdir, f"optim/{layout.shard_filename(dp, 0, 0)}", _nxd_zero1(dp), set(),
+                             range(ZERO1_TENSORS))
+    for marker in ("checkpoint", "done"):
+        with open(os.path.join(tagdir, marker), "w") as f:
+            f.write("1")
+
+
+def _expected_nxd_state(ep, dp, zero1):
+    model = dict(_nxd_model(0), up=_nxd_model(ep)["up"])
+    if zero1:
+        return model, _nxd_zero1(dp)
+    optim = _nxd_adam(0)
+    optim["state"][0] = _nxd_adam(ep)["state"][0]
+    return model, optim
+
+
+def _nxd_fixture_rank(rank, world, root):
+    import nxd_ckpt
+    import parallel_state as ps
+
+    ps.initialize_model_parallel(expert_model_parallel_size=2)
+    ep, dp = ps.get_expert_model_parallel_rank(), ps.get_data_parallel_rank()
+    for tag, zero1 in (("nxd_zero1", True), ("nxd_adam", False)):
+        model, optim = {}, {}
+        nxd_ckpt.load_checkpoint(root, tag, model=model, optimizer=optim)
+        want_model, want_optim = _expected_nxd_state(ep, dp, zero1)
+        assert_bit_equal(want_model, model, f"{tag}/model")
+        assert_bit_equal(want_optim, optim, f"{tag}/optim")
+    return True
+
+
+def test_nxds_ep_checkpoints_load_bit_exact(tmp_path):
+    root = str(tmp_path / "ckpt")
+    for tag, zero1 in (("nxd_zero1", True), ("nxd_adam", False)):
+        build_nxd_ep_tag(os.path.join(root, tag), zero1)
+        assert all_files(os.path.join(root, tag)) == nxd_file_set(zero1)
+    assert run_ranks(_nxd_fixture_rank, 4, root, timeout=240) == [True] * 4
+
+
+def test_verify_accepts_nxds_ep_checkpoint_and_convert_zero1_refuses_it(tmp_path, capsys):
+    from nxd_ckpt.verify import verify_tag
+    from nxd_ckpt.zero1 import Zero1FormatError, convert_zero1
+
+    tagdir = str(tmp_path / "nxd_zero1")
+    build_nxd_ep_tag(tagdir, zero1=True)
+    res = verify_tag(tagdir)
+    assert res.problems == [], res.problems
+    os.remove(os.path.join(tagdir, "model", layout.shard_filename(0, 0, 0, 0) + ".tensors", "tensor_1.pt"))
+    assert any("tensor_1.pt" in str(p) for p in verify_tag(tagdir).problems)   # a non-expert tensor ep 1 reads
+
+    out = str(tmp_path / "out")
+    with pytest.raises(Zero1FormatError, match="expert-parallel") as info:
+        convert_zero1(tagdir, out, dp_size=2)
+    assert "model/dp_rank_00_ep_rank_00_tp_rank_00_pp_rank_00.pt" in str(info.value)
+    assert "expert-DP" in str(info.value) and not os.path.exists(out)
+    # an optim/ folder alone: recognised by NxD's EP state-dict keys
+    with pytest.raises(Zero1FormatError, match="ep_param_id_offset"):
+        convert_zero1(os.path.join(tagdir, "optim"), out, dp_size=2)
+    assert not os.path.exists(out)
+
+
+def test_topology_mismatch_names_the_full_dp_size():
+    from nxd_ckpt.errors import TopologyMismatchError
+    from nxd_ckpt.loader import check_topology
+    from nxd_ckpt.world import World
+    from parallel_state.topology import Topology
+
+    saved = {"tp": 1, "pp": 1, "ep": 2, "dp": None, "zero1_shards": 4, "zero1": True}
+    same = World(0, 4, 0, 4, Topology(4, ep=2), True)
+    check_topology("t", saved, same, loading_optim=True)   # NxD's EP=2 x DP=4 ZeRO-1 fits DP=4 EP=2
+    smaller = World(0, 2, 0, 2, Topology(2, ep=2), True)
+    with pytest.raises(TopologyMismatchError) as info:
+        check_topology("t", saved, smaller, loading_optim=True)
+    msg = str(info.value)
+    assert "saved at TP=1 PP=1 DP=4 EP=2 with ZeRO-1" in msg and "runs TP=1 PP=1 DP=2 EP=2 (DP differs)" in msg
+    assert "--dp_size 2" in msg
