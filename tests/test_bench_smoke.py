@@ -11,15 +11,19 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-LIMITS = ("d2h_batched_s", "h2d_s", "disk_write_gbps", "disk_read_gbps")
+LIMITS = ("d2h_batched_s", "d2h_batched_cpu_s_per_gb", "h2d_s", "disk_write_gbps", "disk_read_gbps",
+          "disk_write_parallel_gbps", "disk_read_parallel_gbps")
 METHODS = {
-    "nxd_ckpt_async": ("stall_s", "commit_s", "load_s", "host_rss_peak_mb"),
-    "nxd_ckpt_async_device_snapshot": ("stall_s", "commit_s"),
-    "nxd_ckpt_sync": ("stall_s", "commit_s", "load_s"),
-    "torch_xla_xser": ("stall_s", "load_s"),
-    "torch_save": ("stall_s", "load_s"),
-    "dcp_async": ("stall_s", "commit_s"),
+    "nxd_ckpt_async": ("stall_s", "commit_s", "load_s", "host_rss_peak_mb", "cpu_s_per_gb", "stall_cpu_s_per_gb",
+                       "load_cpu_s_per_gb"),
+    "nxd_ckpt_async_device_snapshot": ("stall_s", "commit_s", "cpu_s_per_gb"),
+    "nxd_ckpt_sync": ("stall_s", "commit_s", "load_s", "cpu_s_per_gb"),
+    "torch_xla_xser": ("stall_s", "load_s", "cpu_s_per_gb", "load_cpu_s_per_gb"),
+    "torch_save": ("stall_s", "load_s", "cpu_s_per_gb", "load_cpu_s_per_gb"),
+    "dcp_async": ("stall_s", "commit_s", "cpu_s_per_gb"),
 }
+TARGETS = {"cpu_s_per_gb", "async_stall_vs_d2h", "commit_throughput", "load_vs_limits", "load_vs_xser",
+           "train_step_slowdown", "device_snapshot_stall", "rss_peak", "rss_no_growth"}
 
 
 def _sane(value, name, allow_zero=False):
@@ -52,8 +56,26 @@ def test_bench_tiny_run_writes_complete_json(tmp_path):
     g = r["rss_growth"]
     assert g["saves"] == 3 and g["rss_first_mb"] > 0 and g["rss_last_mb"] > 0
     assert g["live_before_mb"] > 0 and g["live_after_mb"] > 0
+    assert TARGETS <= set(r["targets"]), sorted(r["targets"])
     for name, t in r["targets"].items():
         assert isinstance(t["met"], bool), name
     # the files of every method are cleaned up; only the probe-free data folder remains
     leftovers = [d for d in os.listdir(tmp_path / "data") if os.listdir(tmp_path / "data" / d)]
     assert leftovers == [], leftovers
+
+
+@pytest.mark.timeout(600)
+def test_bench_bf16_params_with_fp32_optimizer_state(tmp_path):
+    """The bf16-parameters + fp32-Adam shape: every tensor (model and optimizer) saved, loaded and checked."""
+    out = tmp_path / "bench.json"
+    cmd = [sys.executable, os.path.join(ROOT, "scripts", "bench.py"), "--state", "bf16-adam", "--size-gb", "0.005",
+           "--tensors", "8", "--dir", str(tmp_path / "data"), "--repeat", "1", "--rss-saves", "0", "--skip-rss",
+           "--skip-train", "--methods", "nxd_ckpt_async,torch_save", "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, PJRT_DEVICE="CPU"), capture_output=True, text=True,
+                          timeout=550)
+    assert proc.returncode == 0, f"bench.py failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    r = json.loads(out.read_text())
+    assert r["config"]["state"] == "bf16-adam" and r["config"]["tensors"] == 8 * 3 + 8   # params, 2 moments, steps
+    for m in ("nxd_ckpt_async", "torch_save"):
+        _sane(r["methods"][m]["cpu_s_per_gb"], f"{m}.cpu_s_per_gb")
+        _sane(r["methods"][m]["load_s"], f"{m}.load_s")
