@@ -209,13 +209,14 @@ def read_tag(storage: Storage, tag: str, world: World, *, want_model: bool, want
         error = exc
     agree(error)
     if resharding:
-        return _read_resharded(storage, tag, state, world, model, optimizer, want_model, want_scheduler, trusted)
+        return _read_resharded(storage, tag, state, world, model, optimizer, want_model, want_scheduler, trusted,
+                               num_workers)
     _share(state, world)
     return state
 
 
 def _read_resharded(storage: Storage, tag: str, state: dict, world: World, model, optimizer, want_model: bool,
-                    want_scheduler: bool, trusted: bool) -> dict:
+                    want_scheduler: bool, trusted: bool, num_workers: int) -> dict:
     """Every rank (one all-gather, then reads agreed on): this rank's state resharded to the job's sizes."""
     saved = state["saved"]
     reshard_load.log_resharding(saved, world)
@@ -224,7 +225,7 @@ def _read_resharded(storage: Storage, tag: str, state: dict, world: World, model
     try:
         reader = FileReader(storage, tag, state["manifest"], trusted)
         state.update(reshard_load.read_resharded(reader, state["manifest"], saved, target, want_model=want_model,
-                                                 optimizer=optimizer))
+                                                 optimizer=optimizer, num_workers=num_workers))
         state.update(_read_parts(reader, saved, world, False, False, want_scheduler, 1, True))
     except Exception as exc:  # noqa: BLE001 - agreed on before anyone raises
         error = exc

@@ -24,6 +24,9 @@ result has the shape of loader._read_parts' and is checked and applied by the ca
 from __future__ import annotations
 
 import logging
+import math
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -112,10 +115,18 @@ class Source:
     reader: FileReader
     manifest: Optional[dict]
     sizes: Sizes
+    workers: int = 1
+    inflight_bytes: int = 1 << 30
     _shards: Dict[tuple, SourceShard] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def shard(self, folder: str, dp: int, tp: int, pp: int) -> SourceShard:
         key = (folder, dp, tp, pp)
+        with self._lock:    # reading threads share the (small) ref pickles; each is read once
+            return self._open(key)
+
+    def _open(self, key: tuple) -> SourceShard:
+        folder, dp, tp, pp = key
         if key not in self._shards:
             rel = f"{folder}/{layout.shard_filename(dp, tp, pp)}"
             if not self.reader.exists(rel):
@@ -134,6 +145,39 @@ class Source:
             for k in self.model(0, p).ref:
                 out.setdefault(k, p)
         return out
+
+
+# --- bounded parallel reads ---------------------------------------------------------------------------
+class _Inflight:
+    """Bounds the bytes the reading threads hold at once (a job larger than the bound runs alone)."""
+
+    def __init__(self, limit: int):
+        self.limit, self.used, self.cond = limit, 0, threading.Condition()
+
+    def run(self, nbytes: int, fn):
+        with self.cond:
+            self.cond.wait_for(lambda: self.used == 0 or self.used + nbytes <= self.limit)
+            self.used += nbytes
+        try:
+            return fn()
+        finally:
+            with self.cond:
+                self.used -= nbytes
+                self.cond.notify_all()
+
+
+def _run_bounded(jobs: List[Tuple[int, Callable[[], object]]], workers: int, limit: int) -> list:
+    """Results of ``fn()`` for each (bytes, fn), in order, run on ``workers`` threads holding at most ``limit``
+    bytes of source tensors at once."""
+    gate = _Inflight(limit)
+    if workers <= 1 or len(jobs) <= 1:
+        return [fn() for _, fn in jobs]
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="nxd-reshard") as pool:
+        return list(pool.map(lambda job: gate.run(*job), jobs))
+
+
+def _nbytes(shape, itemsize: int = 4) -> int:
+    return math.prod(shape) * itemsize
 
 
 # --- targets ----------------------------------------------------------------------------------------
@@ -211,19 +255,22 @@ def read_model(src: Source, target: Target) -> dict:
     """This rank's new model state dict (the caller's keys that the checkpoint has). Every key that lacks
     partition information is named in one error."""
     stage_of = src.stage_of_keys()
-    out, unsplit = {}, []
-    for key, dst_shape in target.shapes.items():
-        p = stage_of.get(key)
-        if p is None:
-            continue          # check_model reports missing keys under strict=True
+    unsplit: List[str] = []
+
+    def one(key: str, p: int):
         first = src.model(0, p)
         obj = first.ref[key]
         part = _partition_of(key, first.partition(obj), target)
         try:
-            out[key] = reshard_tensor(key, first.shape(obj), part, dst_shape, src.sizes.tp,
-                                      lambda r: src.model(r, p).load(src.model(r, p).ref[key]), target)
+            return reshard_tensor(key, first.shape(obj), part, target.shapes[key], src.sizes.tp,
+                                  lambda r: src.model(r, p).load(src.model(r, p).ref[key]), target)
         except _NoPartition as exc:
             unsplit.append(str(exc))
+            return None
+
+    keys = [k for k in target.shapes if k in stage_of]   # others: check_model reports missing keys (strict)
+    jobs = [(2 * _nbytes(target.shapes[k]), lambda k=k: one(k, stage_of[k])) for k in keys]
+    out = {k: v for k, v in zip(keys, _run_bounded(jobs, src.workers, src.inflight_bytes)) if v is not None}
     if unsplit:
         raise StateMismatchError(
             f"checkpoint {src.reader.tag!r} was saved at TP={src.sizes.tp} and records no partition dims for "
@@ -291,39 +338,49 @@ def _param_groups(src: Source, optimizer) -> List[dict]:
 
 
 def _read_zero1(src: Source, target: Target, index, groups) -> dict:
-    base, shapes, masters = {}, {}, {}
     has_masters = "sharded_master_weights" in src.shard(layout.OPTIM_DIR, 0, 0, 0).ref
-    for i, key in enumerate(target.params):
-        p, j = index[key]
-        first = src.model(0, p)
-        part = _partition_of(key, first.partition(first.ref[key]), target)
-        dst_shape = target.shapes[key]
-
-        def local(path, r, p=p, key=key):
-            """Source TP rank r's whole TP-local tensor at ``path``, joined from its DP pieces."""
-            shards = [src.shard(layout.OPTIM_DIR, d, r, p) for d in range(src.sizes.dp)]
-            info = tuple(shards[0].ref["shape_info"][path[1]])
-            parts = [sh.load(_get(sh.ref, path)) for sh in shards]
-            return zero1_unshard(parts, info, f"{key} {'/'.join(map(str, path))}")
-
-        info0 = tuple(src.shard(layout.OPTIM_DIR, 0, 0, p).ref["shape_info"][j])
-        entry = {}
-        for name, v in src.shard(layout.OPTIM_DIR, 0, 0, p).ref["base_state"][j].items():
-            if name == "step" or not isinstance(v, (torch.Tensor, xser.TensorReference)):
-                entry[name] = src.shard(layout.OPTIM_DIR, 0, 0, p).load(v) if name == "step" else v
-                continue
-            full = reshard_tensor(key, info0, part, dst_shape, src.sizes.tp,
-                                  lambda r, name=name: local(("base_state", j, name), r), target)
-            entry[name] = zero1_shard(full, target.dp_rank, target.dp)
-        base[i], shapes[i] = entry, torch.Size(dst_shape)
+    jobs = [(4 * _nbytes(target.shapes[key]), lambda i=i, key=key: _zero1_param(src, target, index, i, key, has_masters))
+            for i, key in enumerate(target.params)]
+    base, shapes, masters = {}, {}, {}
+    for i, (entry, shape, master) in enumerate(_run_bounded(jobs, src.workers, src.inflight_bytes)):
+        base[i], shapes[i] = entry, shape
         if has_masters:
-            full = reshard_tensor(key, info0, part, dst_shape, src.sizes.tp,
-                                  lambda r: local(("sharded_master_weights", j), r), target)
-            masters[i] = zero1_shard(full, target.dp_rank, target.dp)
+            masters[i] = master
     out = {"state": {}, "param_groups": groups, "base_state": base, "shape_info": shapes}
     if has_masters:
         out["sharded_master_weights"] = masters
     return out
+
+
+def _zero1_param(src: Source, target: Target, index, i: int, key: str, has_masters: bool):
+    """(base_state entry, shape_info, master piece or None) of this rank's new ZeRO-1 piece of parameter i."""
+    p, j = index[key]
+    first = src.model(0, p)
+    part = _partition_of(key, first.partition(first.ref[key]), target)
+    dst_shape = target.shapes[key]
+
+    def local(path, r, p=p, key=key):
+        """Source TP rank r's whole TP-local tensor at ``path``, joined from its DP pieces."""
+        shards = [src.shard(layout.OPTIM_DIR, d, r, p) for d in range(src.sizes.dp)]
+        info = tuple(shards[0].ref["shape_info"][path[1]])
+        parts = [sh.load(_get(sh.ref, path)) for sh in shards]
+        return zero1_unshard(parts, info, f"{key} {'/'.join(map(str, path))}")
+
+    info0 = tuple(src.shard(layout.OPTIM_DIR, 0, 0, p).ref["shape_info"][j])
+    entry = {}
+    for name, v in src.shard(layout.OPTIM_DIR, 0, 0, p).ref["base_state"][j].items():
+        if name == "step" or not isinstance(v, (torch.Tensor, xser.TensorReference)):
+            entry[name] = src.shard(layout.OPTIM_DIR, 0, 0, p).load(v) if name == "step" else v
+            continue
+        full = reshard_tensor(key, info0, part, dst_shape, src.sizes.tp,
+                              lambda r, name=name: local(("base_state", j, name), r), target)
+        entry[name] = zero1_shard(full, target.dp_rank, target.dp)
+    master = None
+    if has_masters:
+        full = reshard_tensor(key, info0, part, dst_shape, src.sizes.tp,
+                              lambda r: local(("sharded_master_weights", j), r), target)
+        master = zero1_shard(full, target.dp_rank, target.dp)
+    return entry, torch.Size(dst_shape), master
 
 
 def _get(obj, path):
@@ -362,11 +419,12 @@ def saved_sizes(saved: dict) -> Sizes:
 
 
 def read_resharded(reader: FileReader, manifest: Optional[dict], saved: dict, target: Target, *, want_model: bool,
-                   optimizer=None) -> dict:
+                   optimizer=None, num_workers: int = 8, inflight_bytes: int = 1 << 30) -> dict:
     """This rank's model state dict ("model") and optimizer state ("optim", when ``optimizer`` is given) at the
     job's sizes, from a checkpoint saved at ``saved``'s sizes. No collectives (``target`` was gathered by the
-    caller); raises StateMismatchError / PartitionError naming the key that cannot be resharded."""
-    src = Source(reader, manifest, saved_sizes(saved))
+    caller); raises StateMismatchError naming the keys that cannot be resharded. ``num_workers`` threads
+    read and reshard tensors at once, holding at most ``inflight_bytes`` of them (beyond the new shard)."""
+    src = Source(reader, manifest, saved_sizes(saved), max(1, num_workers), inflight_bytes)
     out: Dict[str, object] = {}
     try:
         if want_model:

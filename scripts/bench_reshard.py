@@ -1,0 +1,181 @@
+#!/usr/bin/env python3
+"""Benchmark load-time resharding against a same-topology load of the same checkpoint.
+
+A transformer-like model (per layer: qkv and up column-parallel, o and down row-parallel, a replicated norm; a
+replicated embedding) is saved once at TP=2 on 2 ranks (xser, with our manifest). Then, alternating, ``--repeat``
+times each (page cache dropped before every load):
+
+- ``same``: 2 ranks at TP=2 load it (no resharding);
+- ``reshard``: 2 ranks at TP=1 x PP=2 load it: each rank joins both TP shards of its stage's tensors, so it
+  reads as many bytes as a ``same`` rank does and only the resharding differs.
+
+Each rank loads into a dict of CPU tensors of its new shape (``load_checkpoint(model=dict)``), so the numbers
+are the library's read + reshard + apply, not a device transfer. Reported per case: load time (slowest rank,
+median over rounds) and each rank's RSS peak above its pre-load RSS, next to this rank's new shard bytes and the
+largest source tensor it reads (the bound is their sum plus small buffers).
+
+    python scripts/bench_reshard.py --hidden 1024 --layers 4 --repeat 3 --out bench_out/reshard.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+SCRIPTS = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(SCRIPTS)
+for p in (ROOT, SCRIPTS):
+    if p not in sys.path:
+        sys.path.insert(0, p)
+
+MB = 1 << 20
+
+
+def model_spec(hidden: int, layers: int, vocab: int):
+    """[(key, full shape, partition dim or None)] in model order."""
+    h = hidden
+    spec = [("embed.weight", (vocab, h), None)]
+    for i in range(layers):
+        p = f"layers.{i}."
+        spec += [(p + "qkv.weight", (3 * h, h), 0), (p + "o.weight", (h, h), 1), (p + "up.weight", (4 * h, h), 0),
+                 (p + "down.weight", (h, 4 * h), 1), (p + "norm.weight", (h,), None)]
+    return spec
+
+
+def _part(dim):
+    from nxd_ckpt.partition import Partition
+
+    return None if dim is None else Partition(dim)
+
+
+def _tagged(t, dim):
+    if dim is not None:
+        t.tensor_model_parallel, t.partition_dim, t.partition_stride = True, dim, 1
+    return t
+
+
+# --- rank workers (under torchrun) ------------------------------------------------------------------------
+def worker(args) -> None:
+    import torch
+    import torch.distributed as dist
+
+    import nxd_ckpt
+    import parallel_state as ps
+    from bench import RssSampler, trim_heap
+    from nxd_ckpt.partition import assign_stages, split_tp, tp_shard_shape
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    ps.initialize_model_parallel(tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp)
+    tp_rank, pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
+    spec = model_spec(args.hidden, args.layers, args.vocab)
+    stage = assign_stages([k for k, _, _ in spec], args.pp)
+    if args.worker == "save":
+        sd = {}
+        for n, (key, shape, dim) in enumerate(spec):
+            full = torch.randn(shape, generator=torch.Generator().manual_seed(n))
+            sd[key] = _tagged(split_tp(full, _part(dim), args.tp, tp_rank).clone(), dim)
+        nxd_ckpt.save_checkpoint(args.dir, "s", model=sd, use_xser=True)
+        return
+    sd = {key: _tagged(torch.zeros(tp_shard_shape(shape, _part(dim), args.tp)), dim)
+          for key, shape, dim in spec if stage[key] == pp_rank}
+    new_bytes = sum(t.numel() * 4 for t in sd.values())
+    largest_src = max(math.prod(shape) * 4 // (1 if dim is None else args.src_tp)
+                      for key, shape, dim in spec if key in sd)
+    trim_heap()
+    dist.barrier()
+    sampler = RssSampler().start()
+    base = sampler.peak
+    t0 = time.perf_counter()
+    nxd_ckpt.load_checkpoint(args.dir, "s", model=sd)
+    elapsed = time.perf_counter() - t0
+    peak = sampler.stop()
+    rows = [None] * dist.get_world_size()
+    dist.all_gather_object(rows, {"load_s": elapsed, "rss_peak_above_mb": (peak - base) / MB,
+                                  "new_shard_mb": new_bytes / MB, "largest_source_tensor_mb": largest_src / MB})
+    if dist.get_rank() == 0:
+        with open(args.result, "w") as f:
+            json.dump(rows, f)
+    dist.destroy_process_group()
+
+
+# --- orchestrator ---------------------------------------------------------------------------------------------
+def _torchrun(args, nproc: int, extra) -> None:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+           os.path.abspath(__file__), "--dir", args.dir, "--hidden", str(args.hidden), "--layers", str(args.layers),
+           "--vocab", str(args.vocab), *extra]
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
+    subprocess.run(cmd, check=True, env=env, timeout=1800, stdout=subprocess.DEVNULL)
+
+
+CASES = {"same": ("2", "1"), "reshard": ("1", "2")}   # (tp, pp) of the loading job, 2 ranks each
+
+
+def run(args) -> dict:
+    import shutil
+
+    from bench import Cache
+
+    shutil.rmtree(args.dir, ignore_errors=True)
+    _torchrun(args, 2, ["--worker", "save", "--tp", "2"])
+    cache = Cache()
+    rounds = {c: [] for c in CASES}
+    for _ in range(args.repeat):
+        for case, (tp, pp) in CASES.items():
+            cache.drop(args.dir)
+            result = os.path.join(args.dir, f"result_{case}.json")
+            _torchrun(args, 2, ["--worker", "load", "--tp", tp, "--pp", pp, "--src-tp", "2", "--result", result])
+            with open(result) as f:
+                rounds[case].append(json.load(f))
+    out = {"hidden": args.hidden, "layers": args.layers, "vocab": args.vocab, "cache": cache.mode, "cases": {}}
+    for case, rs in rounds.items():
+        out["cases"][case] = {
+            "tp_pp": CASES[case],
+            "load_s_median": statistics.median(max(r["load_s"] for r in rows) for rows in rs),
+            "load_s_rounds": [max(r["load_s"] for r in rows) for rows in rs],
+            "rss_peak_above_mb_max": max(r["rss_peak_above_mb"] for rows in rs for r in rows),
+            "new_shard_mb": rs[0][0]["new_shard_mb"], "largest_source_tensor_mb": rs[0][0]["largest_source_tensor_mb"],
+        }
+    c = out["cases"]
+    out["reshard_over_same"] = c["reshard"]["load_s_median"] / c["same"]["load_s_median"]
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--dir", default="/tmp/nxd_ckpt_bench_reshard")
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=8192)
+    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--out", default=None)
+    p.add_argument("--worker", choices=("save", "load"), default=None, help=argparse.SUPPRESS)
+    p.add_argument("--tp", type=int, default=2, help=argparse.SUPPRESS)
+    p.add_argument("--pp", type=int, default=1, help=argparse.SUPPRESS)
+    p.add_argument("--src-tp", type=int, default=2, help=argparse.SUPPRESS)
+    p.add_argument("--result", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.worker:
+        worker(args)
+        return 0
+    out = run(args)
+    for case, r in out["cases"].items():
+        print(f"{case:8s} TP={r['tp_pp'][0]} PP={r['tp_pp'][1]}: load {r['load_s_median']:.3f}s "
+              f"(rounds {', '.join(f'{x:.3f}' for x in r['load_s_rounds'])}); RSS peak above pre-load "
+              f"{r['rss_peak_above_mb_max']:.0f} MB; new shard {r['new_shard_mb']:.0f} MB, largest source tensor "
+              f"{r['largest_source_tensor_mb']:.0f} MB")
+    print(f"reshard / same-topology load time: {out['reshard_over_same']:.2f}x (target <= 1.3x)")
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(out, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
