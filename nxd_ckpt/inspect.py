@@ -335,7 +335,8 @@ def format_describe(d: dict) -> str:
         f"status:     {d['status']}" + (f"  ({d['problem']})" if d.get("problem") else ""),
         f"format:     {d['format']}" + (f" {d['library_version']}" if d.get("library_version") else ""),
         f"written:    {d['written_at'] or '-'}",
-        "topology:   " + "  ".join(f"{k}={_s(t.get(k))}" for k in ("world_size", "tp", "pp", "dp", "cp", "ep")),
+        "topology:   " + "  ".join(f"{k}={_s(t.get(k))}" for k in ("world_size", "tp", "pp", "dp", "cp", "ep"))
+        + (f"  layout={t['layout']}" if t.get("layout") not in (None, "row_major") else ""),
         f"zero1:      {_yn(d['zero1'])}    xser: {_yn(d['xser'])}",
         f"size:       {format_bytes(d['total_bytes'])} in {d['total_files']} files",
         f"tensors:    {d['tensor_count']}  " + ", ".join(

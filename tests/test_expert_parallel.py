@@ -138,6 +138,13 @@ def test_ep2_round_trip_and_resume_with_nxds_file_names(tmp_path, zero1):
         info = torch.load(os.path.join(tag, "optim", layout.shard_filename(0, 0, 0, 1) + ".info.pt"),
                           weights_only=True)
         assert [info[t]["expert_model_parallel"] for t in range(PLAIN_OPTIM_TENSORS)] == [True] * 3 + [False] * 6
+    # the offline tools read it too
+    from nxd_ckpt.inspect import describe
+    from nxd_ckpt.verify import verify_tag
+
+    assert verify_tag(tag).problems == []
+    d = describe(tag, tensors=True)
+    assert d["topology"]["ep"] == 2 and d["topology"]["dp"] == 4
 
 
 # ---- NxD's own EP checkpoints, built by hand from its documented behaviour, load bit-exact -----------------

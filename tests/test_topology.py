@@ -334,3 +334,32 @@ def test_nxd_layout_choice():
     assert nxd_layout_choice("trn2", 32, 1, 128) == "row_major"
     assert nxd_layout_choice("trn2", 4, 2, 64) == "row_major"
     assert nxd_layout_choice(None, 4, 1, 64) == "row_major"
+
+
+@pytest.mark.parametrize("layout, lws", [("trn1_tp4", 8), ("trn1_tp4", 16), ("trn2", 4), ("trn2", 8), ("trn2", 16)])
+def test_named_layouts_are_consistent_grids(layout, lws):
+    """Every valid size of a layout up to 64 ranks: each group's members differ in that group's coordinate only,
+    and (pp, dp, cp, tp) names each rank once, so file names never collide."""
+    checked = 0
+    for world in range(lws, 65, lws):
+        for tp, pp, cp, ep in itertools.product((1, 2, 4, 8, 16), (1, 2, 4), (1, 2), (1, 2)):
+            try:
+                t = Topology(world, tp=tp, pp=pp, cp=cp, ep=ep, layout=layout, local_world_size=lws)
+            except ValueError:
+                continue
+            if layout == "trn2" and cp > 1:
+                # NxD builds trn2's CP groups by list position but answers CP ranks from the sorted group, so CP
+                # coordinates do not line up with TP groups there; file names carry no CP rank.
+                assert sorted(t.rank_in("cp", r) for r in t.groups("cp")[0]) == list(range(cp))
+                continue
+            checked += 1
+            assert len({t.coords(r) for r in range(world)}) == world
+            for kind in ("tp", "dp", "pp", "cp"):
+                for g in t.groups(kind):
+                    assert sorted(t.rank_in(kind, r) for r in g) == list(range(len(g)))
+                    for a, b in zip(g, g[1:]):
+                        assert _differing(kind, t, a, b) <= {kind}, (t, kind, a, b)
+            for r in range(world):
+                c = t.coords(r)
+                assert t.rank_of(*c) == r
+    assert checked >= 3
