@@ -275,6 +275,13 @@ class Group:
     template: Any = None
     slots: List[Slot] = field(default_factory=list)
     shape_info: Dict[Any, tuple] = field(default_factory=dict)
+    ep: int = 1                           # EP of an expert-parallel ZeRO-1 state, else 1
+    expert_from: Optional[int] = None     # its first expert parameter (base_state key)
+
+    def ep_of(self, param) -> int:
+        """How many expert-DP sub-groups shard parameter ``param``: EP for an expert parameter (DP rank d holds
+        expert-DP piece d // EP of EP rank d % EP, NxD's row-major grid), else 1 (sharded over all of DP)."""
+        return self.ep if self.expert_from is not None and param >= self.expert_from else 1
 
 
 def _scan_optim(root: str, folder_rel: str) -> Tuple[Dict[tuple, Dict[int, str]], bool]:
@@ -315,32 +322,60 @@ def _scan_optim(root: str, folder_rel: str) -> Tuple[Dict[tuple, Dict[int, str]]
     return shards, False
 
 
-#: A key of NxD's expert-parallel ZeRO-1 state dict (NeuronEPZero1Optimizer): where expert parameters start.
+#: Keys of NxD's expert-parallel ZeRO-1 state dict (NeuronEPZero1Optimizer): where the expert parameters start.
 EP_OFFSET_KEY = "ep_param_id_offset"
+EP_BASE_OFFSET_KEY = "ep_base_state_offset"
 
 
-def _ep_refusal(input_dir: str, evidence: str) -> str:
-    return (f"{input_dir} holds expert-parallel optimizer state ({evidence}). NxD's ZeRO-1 optimizer for MoE "
-            "shards non-expert parameters over DP and expert parameters over expert-DP, and convert-zero1 "
-            "re-shards only over DP, so it would mix the two up; it does not convert expert-parallel "
-            "checkpoints. Resume at the saved DP and EP sizes, or load the model alone at the new size and "
-            "start the optimizer afresh")
+def _ep_error(input_dir: str, problem: str) -> str:
+    return (f"{input_dir}: {problem}. NxD's ZeRO-1 optimizer for MoE shards non-expert parameters over DP and "
+            "expert parameters over expert-DP, so converting it needs the EP size and NxD's row-major rank grid")
 
 
-def _refuse_expert_parallel(input_dir: str, tagdir: Optional[str], manifest: Optional[dict],
-                            groups_in: Dict[tuple, Dict[int, str]]) -> None:
-    """Raise Zero1FormatError, before anything is written, when the input was saved with EP > 1."""
-    ep = int((manifest or {}).get("topology", {}).get("ep") or 1)
-    if ep > 1:
-        raise Zero1FormatError(_ep_refusal(input_dir, f"its manifest says EP={ep}"))
+def expert_parallel_size(input_dir: str, tagdir: Optional[str], manifest: Optional[dict],
+                         groups_in: Dict[tuple, Dict[int, str]]) -> int:
+    """EP of the input (1 without expert parallelism), from the manifest or the model/ file names. Raises
+    Zero1FormatError, before anything is written, for what cannot be converted: optimizer files named by
+    ep rank (a plain, not ZeRO-1, optimizer), or an EP checkpoint in a non-row-major rank layout."""
     named = sorted(name for files in groups_in.values() for name in files.values()
                    if (layout.parse_shard_filename(name) or layout.parse_full_filename(name)).ep is not None)
     if named:
-        raise Zero1FormatError(_ep_refusal(input_dir, f"optimizer files named by ep rank, e.g. {named[0]}"))
-    model = os.path.join(tagdir, layout.MODEL_DIR) if tagdir else None
-    experts = sorted(n for s, n in layout.list_shard_files(model).items() if s.ep is not None) if model else []
-    if experts:
-        raise Zero1FormatError(_ep_refusal(input_dir, f"model files named by ep rank, e.g. model/{experts[0]}"))
+        raise Zero1FormatError(_ep_error(
+            input_dir, f"its optimizer files are named by ep rank (e.g. {named[0]}): that is a plain expert-parallel "
+            "optimizer (or an older nxd-ckpt layout), which does not depend on the DP size; convert-zero1 converts "
+            "ZeRO-1 state only"))
+    topo = (manifest or {}).get("topology", {})
+    ep = int(topo.get("ep") or 1)
+    if manifest is None and tagdir is not None:
+        model = layout.list_shard_files(os.path.join(tagdir, layout.MODEL_DIR))
+        ep = 1 + max((sh.ep or 0 for sh in model), default=0)
+    if ep > 1 and topo.get("layout", "row_major") != "row_major":
+        raise Zero1FormatError(_ep_error(input_dir, f"it was saved at EP={ep} in the {topo['layout']} rank layout, "
+                                                    "where DP ranks do not map to EP ranks row-major"))
+    return ep
+
+
+def _ep_split(input_dir: str, state, where: str, ep: int, g_in: int, g_out: int, to_full: bool) -> Optional[int]:
+    """The first expert parameter index (a base_state key) of an EP ZeRO-1 state, None without EP."""
+    has_key = isinstance(state, dict) and EP_OFFSET_KEY in state
+    if ep == 1 and not has_key:
+        return None
+    if ep == 1:
+        raise Zero1FormatError(_ep_error(input_dir, f"{where} holds {EP_OFFSET_KEY!r} but the EP size is unknown "
+                                                    "(pass the tag directory: its model/ file names or manifest "
+                                                    "give it)"))
+    if not has_key or EP_BASE_OFFSET_KEY not in state:
+        raise Zero1FormatError(_ep_error(input_dir, f"it was saved at EP={ep}, but {where} has no "
+                                                    f"{EP_OFFSET_KEY!r}/{EP_BASE_OFFSET_KEY!r}, so its expert "
+                                                    "parameters cannot be told apart"))
+    if to_full:
+        raise Zero1FormatError(_ep_error(input_dir, f"--convert_to_full cannot hold EP={ep} ranks' different "
+                                                    "experts in one full file; use --convert_to_sharded --dp_size N"))
+    for what, g in (("saved", g_in), ("new", g_out)):
+        if g % ep:
+            raise CheckpointArgumentError(_ep_error(input_dir, f"the {what} DP size {g} is not a multiple of "
+                                                               f"EP={ep}; pick --dp_size as a multiple of {ep}"))
+    return int(state[EP_BASE_OFFSET_KEY])
 
 
 def _ranges(nums) -> str:
@@ -417,7 +452,7 @@ def convert_zero1(input_dir: str, output_dir: str, *, to_full: bool = False, dp_
     reader = CheckedReader(in_root, manifest, trusted)
     in_prefix = f"{in_folder}/" if in_folder else ""
     groups_in, full_in = _scan_optim(in_root, in_folder)
-    _refuse_expert_parallel(input_dir, src if tag_mode else None, manifest, groups_in)
+    ep_size = expert_parallel_size(input_dir, src if tag_mode else None, manifest, groups_in)
     if to_full and full_in:
         raise CheckpointArgumentError(f"{input_dir} already holds full optimizer files; nothing to do with "
                                       "--convert_to_full (use --convert_to_sharded --dp_size N)")
@@ -445,9 +480,10 @@ def convert_zero1(input_dir: str, output_dir: str, *, to_full: bool = False, dp_
         grp = Group(layout.ShardName(0, tp, pp, ep), in_rels, out_rels)
         grp.sources = [reader.refs(r) if xser_in else None for r in in_rels]
         first = grp.sources[0] if xser_in else plain_reader.plain(in_rels[0], mmap=True)
-        if isinstance(first, dict) and EP_OFFSET_KEY in first:
-            raise Zero1FormatError(_ep_refusal(input_dir, f"{in_rels[0]} holds {EP_OFFSET_KEY!r}"))
         grp.template, grp.slots, grp.shape_info = build_template(first, reader.path(in_rels[0]))
+        expert_from = _ep_split(input_dir, first, in_rels[0], ep_size, g_in, g_out, to_full)
+        grp.ep = ep_size if expert_from is not None else 1
+        grp.expert_from = expert_from
         if xser_in:
             for j, s in enumerate(grp.sources[1:], 1):
                 if not isinstance(s, dict) or "base_state" not in s:
@@ -664,8 +700,11 @@ def _convert_xser(groups: List[Group], g_in: int, full_in: bool, g_out: int, ful
                                            f"{type(leaf).__name__}, not a tensor, unlike in {grp.in_rels[0]}")
             per_param.setdefault(s.param, []).append(("/".join(map(str, s.path)), specs, tid_of[id(s)]))
         for i, keys in per_param.items():
-            geo = Geometry(grp.shape_info[i], g_in, full_in, g_out, full_out)
-            units.append({"geometry": geo, "keys": keys, "out_rels": grp.out_rels})
+            e_size = grp.ep_of(i)
+            geo = Geometry(grp.shape_info[i], g_in // e_size, full_in, g_out // e_size, full_out)
+            for e in range(e_size):   # one unit per expert-DP sub-group (the whole DP group without EP)
+                sub = [(label, specs[e::e_size], tid) for label, specs, tid in keys]
+                units.append({"geometry": geo, "keys": sub, "out_rels": grp.out_rels[e::e_size]})
     units.sort(key=lambda u: -_nbytes(u["geometry"].shape) * len(u["keys"]))
 
     written: Dict[str, Dict[int, tuple]] = {}
@@ -718,11 +757,15 @@ def _run_plain_unit(unit: dict) -> List[tuple]:
         if slot.kind == "copy":
             v = slot.leaf.clone()
         else:
-            geo = Geometry(shape_info[slot.param], g_in, full_in, g_out, full_out)
+            expert_from = unit.get("expert_from")
+            e_size = unit.get("ep", 1) if expert_from is not None and slot.param >= expert_from else 1
+            geo = Geometry(shape_info[slot.param], g_in // e_size, full_in, g_out // e_size, full_out)
             rows, tail = geo.rows_tail
             where = [f"{reader.path(rel)} [{'/'.join(map(str, slot.path))}]" for rel in unit["in_rels"]]
+            e = r % e_size   # an expert parameter: the DP ranks of this EP rank, in expert-DP order
 
             def load(j):
+                j = j * e_size + e
                 try:
                     t = _get_path(sources[j], slot.path)
                 except (KeyError, IndexError, TypeError):
@@ -732,7 +775,7 @@ def _run_plain_unit(unit: dict) -> List[tuple]:
                     raise Zero1FormatError(f"{where[j]} is a {type(t).__name__}, not a tensor")
                 return geo.normalise_input(t, where[j])
 
-            piece = make_piece(r, load, geo.per_in, rows, tail, geo.per_out, lambda: load(0).dtype)
+            piece = make_piece(r // e_size, load, geo.per_in, rows, tail, geo.per_out, lambda: load(0).dtype)
             v = geo.finish(piece).clone()
         metas.append(("/".join(map(str, slot.path)), str(v.dtype).replace("torch.", ""), list(v.shape)))
         return v
@@ -748,7 +791,7 @@ def _convert_plain(groups: List[Group], g_in: int, full_in: bool, g_out: int, fu
     for grp in groups:
         for r, out_rel in enumerate(grp.out_rels):
             units.append({"in_rels": grp.in_rels, "out_rel": out_rel, "r": r, "g_in": g_in, "full_in": full_in,
-                          "g_out": g_out, "full_out": full_out,
+                          "g_out": g_out, "full_out": full_out, "ep": grp.ep, "expert_from": grp.expert_from,
                           "bytes": sum(_nbytes(s) for s in grp.shape_info.values()) // max(1, g_out)})
     for res in _pool_map(_run_plain_unit, units, ctx, num_workers, progress, "convert-zero1", lambda u: u["bytes"]):
         for rel, size, crc, metas in res:
@@ -820,7 +863,7 @@ def _write_manifest(out: LocalStorage, tag: str, in_manifest: Optional[dict], sr
     cp = int(topo.get("cp") or 1)
     tp = int(topo.get("tp") or 1)
     pp = int(topo.get("pp") or 1)
-    dp = g_out   # expert-parallel inputs are refused (_refuse_expert_parallel)
+    dp = g_out   # ZeRO-1 files are named by the full DP rank, with or without EP
     topo.update(tp=tp, pp=pp, cp=cp, ep=ep, dp=dp, world_size=tp * pp * dp * cp)
     flags = {"zero1": True, "xser": xser_out,
              "has_model": os.path.isdir(os.path.join(src, layout.MODEL_DIR)), "has_optim": True}

@@ -96,7 +96,7 @@ def _ep_round_trip_rank(rank, world, root, zero1):
 MODEL_TENSORS = 4            # up (expert), down, bias, steps_seen
 PLAIN_OPTIM_TENSORS = 9      # step, exp_avg, exp_avg_sq of up (expert), down, bias
 PLAIN_OPTIM_EXPERT = 3       # tids 0-2: up's state
-ZERO1_TENSORS = 12           # base_state (3 x 3) + sharded_master_weights (3)
+ZERO1_TENSORS = 9            # base_state (3 x 3); NxD's EP ZeRO-1 state has no sharded_master_weights
 
 
 def _shard_files(folder, name, tids):
@@ -163,9 +163,7 @@ def _nxd_zero1(dp):
             "param_groups": [dict(group, params=[0, 1]), dict(group, params=[0])], "state": {},
             "base_state": {0: adam(2), 1: {"step": torch.tensor(3.0), "exp_avg": torch.randn(2, generator=g),
                                            "exp_avg_sq": torch.rand(2, generator=g)}, 2: adam(4)},
-            "shape_info": {0: torch.Size([HIDDEN, HIDDEN]), 1: torch.Size([HIDDEN]), 2: torch.Size([HIDDEN, HIDDEN])},
-            "sharded_master_weights": {0: torch.randn(2, HIDDEN, generator=g), 1: torch.randn(2, generator=g),
-                                       2: torch.randn(4, HIDDEN, generator=g)}}
+            "shape_info": {0: torch.Size([HIDDEN, HIDDEN]), 1: torch.Size([HIDDEN]), 2: torch.Size([HIDDEN, HIDDEN])}}
 
 
 def _nxd_adam(ep):
@@ -242,25 +240,96 @@ def test_nxds_ep_checkpoints_load_bit_exact(tmp_path):
     assert run_ranks(_nxd_fixture_rank, 4, root, timeout=240) == [True] * 4
 
 
-def test_verify_accepts_nxds_ep_checkpoint_and_convert_zero1_refuses_it(tmp_path, capsys):
+def test_verify_accepts_nxds_ep_checkpoint(tmp_path):
     from nxd_ckpt.verify import verify_tag
-    from nxd_ckpt.zero1 import Zero1FormatError, convert_zero1
 
     tagdir = str(tmp_path / "nxd_zero1")
     build_nxd_ep_tag(tagdir, zero1=True)
-    res = verify_tag(tagdir)
-    assert res.problems == [], res.problems
+    assert verify_tag(tagdir).problems == []
     os.remove(os.path.join(tagdir, "model", layout.shard_filename(0, 0, 0, 0) + ".tensors", "tensor_1.pt"))
     assert any("tensor_1.pt" in str(p) for p in verify_tag(tagdir).problems)   # a non-expert tensor ep 1 reads
 
+
+# ---- convert-zero1 of an EP ZeRO-1 state: non-expert over DP, expert over expert-DP ------------------------
+def _full_params():
+    g = torch.Generator().manual_seed(11)
+    return {"down": torch.randn(HIDDEN, HIDDEN, generator=g), "bias": torch.randn(HIDDEN - 1, generator=g),
+            "up": {e: torch.randn(HIDDEN + 2, HIDDEN, generator=g) for e in range(2)}}   # 10 rows: padding at 4, 8
+
+
+def _ep_zero1_shard(full, dp, dp_size, ep_size=2):
+    """DP rank ``dp``'s NxD EP ZeRO-1 state: down and bias sharded over DP, up (expert) over expert-DP."""
+    from nxd_ckpt.testing import shard_of
+
+    ep, edp = dp % ep_size, dp // ep_size
+    pieces = {0: shard_of(full["down"], dp, dp_size), 1: shard_of(full["bias"], dp, dp_size),
+              2: shard_of(full["up"][ep], edp, dp_size // ep_size)}
+    base = {i: {"step": torch.tensor(5.0), "exp_avg": p * 2, "exp_avg_sq": p * p} for i, p in pieces.items()}
+    group = {"lr": 0.01, "betas": (0.9, 0.999), "eps": 1e-8}
+    return {"ep_param_id_offset": 1, "ep_param_group_offset": 1, "ep_base_state_offset": 2, "ep_shape_info_offset": 2,
+            "param_groups": [dict(group, params=[0, 1]), dict(group, params=[0])], "state": {}, "base_state": base,
+            "shape_info": {0: full["down"].shape, 1: full["bias"].shape, 2: full["up"][0].shape}}
+
+
+def _build_ep_zero1_tag(tagdir, dp_size, use_xser):
+    full = _full_params()
+    for ep in range(2):
+        name = layout.shard_filename(0, 0, 0, ep)
+        _write_nxd_shard(tagdir, f"model/{name}", _nxd_model(ep), {0}, range(MODEL_TENSORS) if ep == 0 else [0])
+    for dp in range(dp_size):
+        rel = f"optim/{layout.shard_filename(dp, 0, 0)}"
+        if use_xser:
+            _write_nxd_shard(tagdir, rel, _ep_zero1_shard(full, dp, dp_size), set(), range(ZERO1_TENSORS))
+        else:
+            torch.save(_ep_zero1_shard(full, dp, dp_size), os.path.join(tagdir, rel))
+    for marker in ("checkpoint", "done"):
+        with open(os.path.join(tagdir, marker), "w") as f:
+            f.write("1")
+    return full
+
+
+@pytest.mark.parametrize("use_xser", [True, False], ids=["xser", "plain"])
+@pytest.mark.parametrize("dp_out", [2, 8])
+def test_convert_zero1_reshards_expert_parallel_state(tmp_path, use_xser, dp_out):
+    from nxd_ckpt.zero1 import convert_zero1
+
+    src = str(tmp_path / "in")
+    os.makedirs(os.path.join(src, "model"))
+    os.makedirs(os.path.join(src, "optim"))
+    full = _build_ep_zero1_tag(src, 4, use_xser)
     out = str(tmp_path / "out")
-    with pytest.raises(Zero1FormatError, match="expert-parallel") as info:
-        convert_zero1(tagdir, out, dp_size=2)
-    assert "model/dp_rank_00_ep_rank_00_tp_rank_00_pp_rank_00.pt" in str(info.value)
-    assert "expert-DP" in str(info.value) and not os.path.exists(out)
-    # an optim/ folder alone: recognised by NxD's EP state-dict keys
-    with pytest.raises(Zero1FormatError, match="ep_param_id_offset"):
-        convert_zero1(os.path.join(tagdir, "optim"), out, dp_size=2)
+    convert_zero1(src, out, dp_size=dp_out)
+    for dp in range(dp_out):
+        path = os.path.join(out, "optim", layout.shard_filename(dp, 0, 0))
+        got = xser.load(path) if use_xser else torch.load(path, weights_only=True)
+        assert_bit_equal(_ep_zero1_shard(full, dp, dp_out), got, f"dp {dp}")
+    assert not os.path.exists(os.path.join(out, "optim", layout.shard_filename(dp_out, 0, 0)))
+    import json
+
+    with open(os.path.join(out, "manifest.json")) as f:
+        topo = json.load(f)["topology"]
+    assert (topo["dp"], topo["ep"]) == (dp_out, 2)
+    # model files (expert-parallel names, non-expert tensors under ep_rank_00) come along unchanged
+    model = sorted(os.listdir(os.path.join(out, "model")))
+    assert model == sorted(os.listdir(os.path.join(src, "model")))
+
+
+def test_convert_zero1_ep_refusals(tmp_path):
+    from nxd_ckpt.errors import CheckpointArgumentError
+    from nxd_ckpt.zero1 import Zero1FormatError, convert_zero1
+
+    src = str(tmp_path / "in")
+    os.makedirs(os.path.join(src, "model"))
+    os.makedirs(os.path.join(src, "optim"))
+    _build_ep_zero1_tag(src, 4, True)
+    out = str(tmp_path / "out")
+    with pytest.raises(CheckpointArgumentError, match="new DP size 3 is not a multiple of EP=2"):
+        convert_zero1(src, out, dp_size=3)
+    with pytest.raises(Zero1FormatError, match="convert_to_full cannot hold EP=2"):
+        convert_zero1(src, out, to_full=True)
+    # an optim/ folder alone: NxD's EP keys, but no model/ names to give the EP size
+    with pytest.raises(Zero1FormatError, match="EP size is unknown"):
+        convert_zero1(os.path.join(src, "optim"), out, dp_size=2)
     assert not os.path.exists(out)
 
 

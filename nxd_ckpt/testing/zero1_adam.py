@@ -117,16 +117,17 @@ class ZeroOneEPAdam:
     """ZeRO-1 Adam for expert parallelism, in the state-dict format of NxD's ``NeuronEPZero1Optimizer``:
     non-expert parameters sharded over the data-parallel group, expert parameters (``expert_model_parallel``
     set) over the expert-data-parallel group; ``state_dict()`` concatenates the two states, the expert one
-    after the ``ep_*_offset`` keys."""
+    after the ``ep_*_offset`` keys. Like NxD's, the combined state carries no ``sharded_master_weights``: loading
+    re-shards the master weights from the (already loaded) parameters."""
 
     def __init__(self, params, lr=1e-2, *, dp_group, dp_rank: int, dp_size: int, edp_group, edp_rank: int,
-                 edp_size: int, save_master_weights: bool = True):
+                 edp_size: int):
         params = list(params)
         is_ep = [bool(getattr(p, "expert_model_parallel", False)) for p in params]
         self.non_ep = ZeroOneAdam([p for p, e in zip(params, is_ep) if not e], lr=lr, dp_group=dp_group,
-                                  dp_rank=dp_rank, dp_size=dp_size, save_master_weights=save_master_weights)
+                                  dp_rank=dp_rank, dp_size=dp_size, save_master_weights=False)
         self.ep = ZeroOneAdam([p for p, e in zip(params, is_ep) if e], lr=lr, dp_group=edp_group,
-                              dp_rank=edp_rank, dp_size=edp_size, save_master_weights=save_master_weights)
+                              dp_rank=edp_rank, dp_size=edp_size, save_master_weights=False)
 
     def zero_grad(self):
         self.non_ep.zero_grad()
@@ -149,26 +150,20 @@ class ZeroOneEPAdam:
         for key, off in (("state", "ep_param_id_offset"), ("base_state", "ep_base_state_offset"),
                          ("shape_info", "ep_shape_info_offset")):
             sd[key] = {**a[key], **{offsets[off] + k: v for k, v in b[key].items()}}
-        if "sharded_master_weights" in a:
-            off = offsets["ep_base_state_offset"]
-            sd["sharded_master_weights"] = {**a["sharded_master_weights"],
-                                            **{off + k: v for k, v in b["sharded_master_weights"].items()}}
         return sd
 
     def load_state_dict(self, sd: dict) -> None:
         groups = sd["ep_param_group_offset"]
 
         def split(key, off):
-            src = sd.get(key)
-            if src is None:
-                return None, None
+            src = sd[key]
             return ({k: v for k, v in src.items() if k < off}, {k - off: v for k, v in src.items() if k >= off})
 
         parts = {}
         for key, off in (("state", "ep_param_id_offset"), ("base_state", "ep_base_state_offset"),
-                         ("shape_info", "ep_shape_info_offset"), ("sharded_master_weights", "ep_base_state_offset")):
+                         ("shape_info", "ep_shape_info_offset")):
             parts[key] = split(key, sd[off])
         for i, opt in enumerate((self.non_ep, self.ep)):
-            part = {k: v[i] for k, v in parts.items() if v[0] is not None}
+            part = {k: v[i] for k, v in parts.items()}
             part["param_groups"] = sd["param_groups"][:groups] if i == 0 else sd["param_groups"][groups:]
             opt.load_state_dict(part)
