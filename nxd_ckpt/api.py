@@ -1,6 +1,7 @@
 """The neuronx-distributed compatible entry points. Validates arguments; the work lives elsewhere."""
 from __future__ import annotations
 
+import glob
 import logging
 import os
 import time
@@ -12,7 +13,7 @@ from .engine import get_engine
 from .errors import CheckpointArgumentError, CheckpointNotFoundError, CorruptCheckpointError
 from .loader import (agree, agreed_candidates, apply_ignore_keys, apply_model, apply_optimizer, check_model,
                      check_optimizer, copies_every_tensor, read_tag)
-from .storage import open_storage
+from .storage import check_location, open_storage
 from .world import current_world
 
 log = logging.getLogger("nxd_ckpt")
@@ -21,7 +22,8 @@ DEFAULT_TIMEOUT_S = 1800.0
 
 
 def save_checkpoint(checkpoint_dir_str, tag, model=None, optimizer=None, scheduler=None, user_content=None,
-                    num_workers=8, use_xser=True, num_kept_ckpts=None, async_save=False, zero1_optimizer=False,
+                    num_workers=8, use_xser=False, num_kept_ckpts=None, async_save=False, zero1_optimizer=False,
+                    use_zero1_dcp=False, avoid_saving_lower_precision_weights=False,
                     *, host_memory_budget: Optional[int] = None, device_snapshot: bool = False,
                     timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
     """Save a checkpoint under ``checkpoint_dir_str/tag`` in NxD's layout. Every rank calls it.
@@ -35,8 +37,9 @@ def save_checkpoint(checkpoint_dir_str, tag, model=None, optimizer=None, schedul
     """
     called_at = time.monotonic()
     tag = validate_save_args(checkpoint_dir_str, tag, model, optimizer, scheduler, num_workers, use_xser,
-                             num_kept_ckpts, async_save, zero1_optimizer)
-    root = os.fspath(checkpoint_dir_str)
+                             num_kept_ckpts, async_save, zero1_optimizer, use_zero1_dcp,
+                             avoid_saving_lower_precision_weights)
+    root = check_location(checkpoint_dir_str)
     _check_writable(root)
     if host_memory_budget is not None and (not isinstance(host_memory_budget, int) or host_memory_budget <= 0):
         raise CheckpointArgumentError(f"host_memory_budget must be a positive number of bytes, got {host_memory_budget!r}")
@@ -44,7 +47,8 @@ def save_checkpoint(checkpoint_dir_str, tag, model=None, optimizer=None, schedul
     engine.raise_pending()
     world = current_world()
     storage = open_storage(root)
-    plan = build_plan(world, model, optimizer, scheduler, user_content, use_xser, zero1_optimizer)
+    plan = build_plan(world, model, optimizer, scheduler, user_content, use_xser, zero1_optimizer,
+                      avoid_saving_lower_precision_weights)
     job = engine.start_job(world, storage, tag, plan, num_kept_ckpts, num_workers, timeout_s,
                            host_memory_budget, called_at)
     engine.snapshot(job, plan, on_device=device_snapshot, timeout_s=timeout_s)
@@ -71,14 +75,15 @@ def _check_writable(root: str) -> None:
             "fix its permissions or choose another directory")
 
 
-def finalize_checkpoint(timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+def finalize_checkpoint(*, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
     """Block until every save in flight on this rank is committed or failed; raise a failure once.
     Every rank calls it (e.g. at the end of training). No collectives."""
     get_engine().finalize(timeout_s)
 
 
 def load_checkpoint(path, tag=None, model=None, optimizer=None, scheduler=None, num_workers=8, strict=True,
-                    ignore_keys=None, *, trusted: bool = False, node_local: bool = False, reshard: bool = True):
+                    use_zero1_dcp=False, *, ignore_keys=None, trusted: bool = False, node_local: bool = False,
+                    reshard: bool = True):
     """Load ``path/tag`` (newest complete when ``tag`` is None) into the given objects; return the saved
     user_content or None. Every rank calls it; ranks exchange shares over a host gloo group.
 
@@ -90,12 +95,15 @@ def load_checkpoint(path, tag=None, model=None, optimizer=None, scheduler=None, 
     other TP / PP / ZeRO-1 DP sizes is resharded into this job's sizes (needs ``model``); ``reshard=False``
     refuses it with TopologyMismatchError instead.
     """
+    root = check_location(path)
     if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
         raise CheckpointArgumentError(f"num_workers must be a positive int, got {num_workers!r}")
+    if not isinstance(use_zero1_dcp, bool):
+        raise CheckpointArgumentError(f"use_zero1_dcp must be True or False, got {use_zero1_dcp!r}")
     if not isinstance(reshard, bool):
         raise CheckpointArgumentError(f"reshard must be True or False, got {reshard!r}")
-    if not os.path.isdir(os.fspath(path)):
-        raise CheckpointNotFoundError(f"checkpoint directory {os.fspath(path)!r} does not exist")
+    if not os.path.isdir(root):
+        raise CheckpointNotFoundError(f"checkpoint directory {root!r} does not exist")
     storage = open_storage(path)
     tags = agreed_candidates(storage, tag, node_local)
     world = current_world()
@@ -127,6 +135,8 @@ def _load_one(storage, tag, world, model, optimizer, scheduler, num_workers, str
     error = None
     try:
         patterns = apply_ignore_keys(state, ignore_keys)
+        # model tensors with neither data nor a master weight keep the target's value (as NxD)
+        patterns += [f"model/{glob.escape(k)}" for k in state.get("model_unsaved", [])]
         if model is not None:
             check_model(model, state["model"], strict, patterns)
         if optimizer is not None:
@@ -153,7 +163,7 @@ def has_checkpoint(checkpoint_dir_str) -> bool:
 
 def list_checkpoints(checkpoint_dir_str) -> List[str]:
     """Complete tags, newest first (by commit time); each loads with ``load_checkpoint(dir, tag)``."""
-    root = os.fspath(checkpoint_dir_str)
+    root = check_location(checkpoint_dir_str)
     if not os.path.isdir(root):
         return []
     return [tag for tag, _ in commit.loadable(open_storage(root))]

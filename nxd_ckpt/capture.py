@@ -6,16 +6,20 @@ loop can never reach the files; tensors are captured by the snapshot that follow
 from __future__ import annotations
 
 import io
-from typing import Dict, List, Tuple
+import logging
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
 import xser
 
-from . import layout
+from . import layout, masters
 from .errors import CheckpointArgumentError
+from .storage import check_location
 from .plan import SavePlan, model_filename, optim_filename, partition_info, plan_shard, replica_groups
 from .world import World
+
+log = logging.getLogger("nxd_ckpt")
 
 
 def model_state(model) -> Tuple[dict, Dict[str, dict]]:
@@ -117,16 +121,19 @@ def info_bytes(tensors: List[torch.Tensor], meta: Dict[int, dict]) -> bytes:
 
 
 def build_plan(world: World, model, optimizer, scheduler, user_content, use_xser: bool,
-               zero1_optimizer: bool) -> SavePlan:
+               zero1_optimizer: bool, avoid_saving_lower_precision_weights: bool = False) -> SavePlan:
     """This rank's SavePlan. Every rank calls it with its own state; no communication."""
     topo = world.topology
     shards = []
-    zero1 = False
+    osd, zero1, expert = optimizer_state(optimizer, zero1_optimizer) if optimizer is not None else (None, False, {})
+    from_masters: Dict[str, int] = {}
     if model is not None:
         sd, attrs = model_state(model)
-        shards.append(_shard(world, layout.MODEL_DIR, sd, attrs, lambda r: model_filename(topo, r), use_xser))
+        if avoid_saving_lower_precision_weights:
+            from_masters = _master_keys(model, optimizer, sd, osd, zero1, use_xser, topo.ep)
+        shards.append(_shard(world, layout.MODEL_DIR, sd, attrs, lambda r: model_filename(topo, r), use_xser,
+                             from_masters))
     if optimizer is not None:
-        osd, zero1, expert = optimizer_state(optimizer, zero1_optimizer)
         shards.append(_shard(world, layout.OPTIM_DIR, osd, expert,
                              lambda r: optim_filename(topo, r, zero1), use_xser))
     small: Dict[str, bytes] = {}
@@ -135,25 +142,63 @@ def build_plan(world: World, model, optimizer, scheduler, user_content, use_xser
             small[layout.SCHEDULER_FILE] = pickle_bytes(scheduler.state_dict())
         if user_content is not None:
             small[layout.USER_CONTENT_FILE] = pickle_bytes(user_content)
-    return SavePlan(shards, small, topo, zero1, use_xser, model is not None, optimizer is not None)
+    return SavePlan(shards, small, topo, zero1, use_xser, model is not None, optimizer is not None,
+                    bool(from_masters))
 
 
-def _shard(world: World, folder: str, state, attrs: Dict[str, dict], name_of, use_xser: bool):
+def _master_keys(model, optimizer, sd: dict, osd, zero1: bool, use_xser: bool, ep: int) -> Dict[str, int]:
+    """avoid_saving_lower_precision_weights: model key -> ZeRO-1 index of each model tensor whose data the
+    optimizer's master weights hold (those tensor files are not written). Empty, as in NxD, when there is
+    nothing to take the weights from (no ZeRO-1 master weights) or the shard is one torch.save file
+    (use_xser=False); empty with a warning when the keys cannot be matched to the optimizer's parameters."""
+    if not (zero1 and masters.has_master_weights(osd)):
+        log.info("nxd_ckpt: avoid_saving_lower_precision_weights: the optimizer state holds no ZeRO-1 master "
+                 "weights, so the model is saved in full (as neuronx-distributed does)")
+        return {}
+    if not use_xser:
+        log.info("nxd_ckpt: avoid_saving_lower_precision_weights: with use_xser=False the model is one torch.save "
+                 "file and is saved in full (as neuronx-distributed does)")
+        return {}
+    if ep > 1:
+        raise CheckpointArgumentError(
+            "avoid_saving_lower_precision_weights=True with expert parallelism (EP > 1) is not supported by "
+            "nxd-ckpt yet; pass avoid_saving_lower_precision_weights=False")
+    shape_info = osd.get("shape_info", {})
+    keys_shapes = [(k, tuple(v.shape)) for k, v in sd.items() if isinstance(v, torch.Tensor)]
+    found = masters.param_keys(model, optimizer, keys_shapes, shape_info) or {}
+    found = {k: i for k, i in found.items() if i in osd[masters.MASTERS] and k in sd}
+    if not found:
+        log.warning("nxd_ckpt: avoid_saving_lower_precision_weights: cannot tell which model key each ZeRO-1 "
+                    "master weight belongs to (pass the nn.Module and the optimizer object), so the model is "
+                    "saved in full")
+    return found
+
+
+def _shard(world: World, folder: str, state, attrs: Dict[str, dict], name_of, use_xser: bool,
+           from_masters: Optional[Dict[str, int]] = None):
+    """``from_masters``: model key -> ZeRO-1 index of the tensors whose files are not written."""
     groups = replica_groups(world.topology, name_of)
     name = name_of(world.rank)
     ref_data, tensors = xser.to_refs(state)
     buf = io.BytesIO()
     xser.dump_refs(ref_data, buf)
     meta = tensor_meta(tensors, ref_paths(ref_data), attrs)
-    return plan_shard(folder, name, groups[name], world.rank, buf.getvalue(), tensors, meta, use_xser)
+    skip = set()
+    for tid, m in meta.items():
+        if m["key"] in (from_masters or {}):
+            m[masters.INDEX_META] = from_masters[m["key"]]
+            skip.add(tid)
+    return plan_shard(folder, name, groups[name], world.rank, buf.getvalue(), tensors, meta, use_xser, skip)
 
 
 def validate_save_args(checkpoint_dir_str, tag, model, optimizer, scheduler, num_workers, use_xser,
-                       num_kept_ckpts, async_save, zero1_optimizer) -> str:
+                       num_kept_ckpts, async_save, zero1_optimizer, use_zero1_dcp=False,
+                       avoid_saving_lower_precision_weights=False) -> str:
     """Raise CheckpointArgumentError for anything that cannot work; return the tag as a string."""
     if not isinstance(checkpoint_dir_str, (str, bytes)) and not hasattr(checkpoint_dir_str, "__fspath__"):
         raise CheckpointArgumentError(
             f"checkpoint_dir_str must be a path, got {type(checkpoint_dir_str).__name__}")
+    check_location(checkpoint_dir_str)
     try:
         tag = layout.validate_tag(tag)
     except ValueError as exc:
@@ -173,9 +218,23 @@ def validate_save_args(checkpoint_dir_str, tag, model, optimizer, scheduler, num
                                        or not (num_kept_ckpts == -1 or num_kept_ckpts >= 1)):
         raise CheckpointArgumentError(
             f"num_kept_ckpts must be None or -1 (keep all) or a positive int, got {num_kept_ckpts!r}")
-    for name, val in (("use_xser", use_xser), ("async_save", async_save), ("zero1_optimizer", zero1_optimizer)):
+    for name, val in (("use_xser", use_xser), ("async_save", async_save), ("zero1_optimizer", zero1_optimizer),
+                      ("use_zero1_dcp", use_zero1_dcp),
+                      ("avoid_saving_lower_precision_weights", avoid_saving_lower_precision_weights)):
         if not isinstance(val, bool):
             raise CheckpointArgumentError(f"{name} must be True or False, got {val!r}")
     if zero1_optimizer and optimizer is None:
         raise CheckpointArgumentError("zero1_optimizer=True needs an optimizer (state dict) to save")
+    if use_zero1_dcp and avoid_saving_lower_precision_weights:
+        raise CheckpointArgumentError(
+            "use_zero1_dcp=True and avoid_saving_lower_precision_weights=True cannot be combined (as in "
+            "neuronx-distributed): the model weights are restored from master weights, which the DCP optimizer "
+            "layout does not hold; pass one of them")
+    if use_zero1_dcp and optimizer is not None and optimizer_state(optimizer, zero1_optimizer)[1]:
+        if not async_save:
+            raise CheckpointArgumentError(
+                "use_zero1_dcp=True with a ZeRO-1 optimizer needs async_save=True (as in neuronx-distributed)")
+        raise CheckpointArgumentError(
+            "use_zero1_dcp=True (the ZeRO-1 state as a torch.distributed.checkpoint under optim/) is not implemented "
+            "by nxd-ckpt yet; pass use_zero1_dcp=False to save the ZeRO-1 state in NxD's per-DP-rank files")
     return tag

@@ -239,6 +239,10 @@ def _cmd_convert_state(args) -> int:
     return 0
 
 
+#: every command's arguments that name a file or directory (each is checked by storage.check_location)
+_PATH_ARGS = ("dir", "tag", "path", "input_dir", "output_dir", "output")
+
+
 # --- entry points ---------------------------------------------------------------------------------------
 def _run(parser: argparse.ArgumentParser, argv: Optional[List[str]], prog: str) -> int:
     try:
@@ -255,8 +259,12 @@ def _call(func, args, prog: str) -> int:
     import xser
 
     from .errors import CheckpointError
+    from .storage import check_location
 
     try:
+        for name in _PATH_ARGS:
+            if isinstance(getattr(args, name, None), str):
+                check_location(getattr(args, name))
         return func(args)
     except (CheckpointError, xser.XserError, OSError, ValueError) as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)

@@ -9,7 +9,7 @@ import time
 from typing import Dict, List, Optional
 
 
-from . import layout
+from . import layout, masters
 from .coord import Coordinator, default_store
 from .errors import RankFailureError
 from .plan import SavePlan, tensor_nbytes
@@ -241,7 +241,7 @@ def _manifest_info(world: World, plan: SavePlan) -> dict:
         "topology": {"world_size": topo.world_size, "tp": topo.tp, "pp": topo.pp, "dp": topo.dp,
                      "cp": topo.cp, "ep": topo.ep, "layout": topo.layout},
         "flags": {"zero1": plan.zero1, "xser": plan.xser, "has_model": plan.has_model,
-                  "has_optim": plan.has_optim},
+                  "has_optim": plan.has_optim, masters.FLAG: plan.model_from_masters},
         "tensors": tensors,
     }
 

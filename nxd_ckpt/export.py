@@ -26,7 +26,7 @@ import torch
 
 import xser
 
-from . import commit, layout
+from . import commit, layout, masters
 from .errors import CheckpointArgumentError, CheckpointError, CorruptCheckpointError
 from .outdir import check_output_dir, publish_output
 from .partition import merge_tp
@@ -165,6 +165,8 @@ class _Shard:
         if manifest is not None:
             for tid, m in manifest.get("tensors", {}).get(rel, {}).items():
                 self.meta[int(tid)] = m
+        self.masters: Optional[_Masters] = None
+
 
     def describe(self, key: str, ref) -> Leaf:
         part = None
@@ -194,7 +196,9 @@ class _Shard:
             return self.reader.tensor(layout.tensor_path(self.rel, tid))
 
     def load(self, leaf: Leaf) -> torch.Tensor:
-        if xser.is_ref(leaf.ref):
+        if xser.is_ref(leaf.ref) and self.masters is not None and leaf.ref.tid in self.masters.index:
+            t = self.masters.tensor(leaf.ref.tid).to(leaf.dtype)
+        elif xser.is_ref(leaf.ref):
             t = self.reader.tensor(layout.tensor_path(self.rel, leaf.ref.tid))
         else:
             t = leaf.ref
@@ -203,6 +207,47 @@ class _Shard:
                 f"{self.reader.path(self.rel)}: a tensor is {t.dtype} {tuple(t.shape)}, its metadata says "
                 f"{leaf.dtype} {leaf.shape}", path=self.reader.path(self.rel))
         return t
+
+
+class _Masters:
+    """The tensors of one (tp, pp) model shard that lie in the ZeRO-1 master weights
+    (avoid_saving_lower_precision_weights), joined from the DP shards on demand."""
+
+    def __init__(self, reader: CheckedReader, tagdir: str, shard: "_Shard", tp: int, pp: int):
+        folder = os.path.join(tagdir, layout.OPTIM_DIR)
+        names = sorted((s.dp, n) for s, n in layout.list_shard_files(folder).items()
+                       if s.tp == tp and s.pp == pp and s.ep is None)
+        if not names:
+            raise ExportError(f"{tagdir} keeps its model weights as ZeRO-1 master weights but optim/ has no shard "
+                              f"for tp rank {tp}, pp rank {pp}")
+        self.reader = reader
+        self.files = [f"{layout.OPTIM_DIR}/{n}" for _, n in names]
+        refs = [reader.refs(f) for f in self.files]
+        for f, r in zip(self.files, refs):
+            if masters.MASTERS not in r:
+                raise ExportError(f"{reader.path(f)} has no sharded_master_weights, which hold this tag's model weights")
+        self.refs = [r[masters.MASTERS] for r in refs]
+        self.shape_info = refs[0]["shape_info"]
+        self.index = self._index(shard)
+
+    def _index(self, shard: "_Shard") -> Dict[int, int]:
+        found = {tid: int(m[masters.INDEX_META]) for tid, m in shard.meta.items() if masters.INDEX_META in m}
+        if found or shard.meta:
+            return found
+        keys_shapes = [(k, tuple(shard.info[r.tid]["shape"])) for k, r in shard.flat.items() if xser.is_ref(r)]
+        by_key = masters.keys_by_order(keys_shapes, self.shape_info)
+        if by_key is None:
+            raise ExportError(f"{self.reader.path(shard.rel)}: the model's weights are kept as ZeRO-1 master weights "
+                              "and which key each belongs to is not recorded (a neuronx-distributed checkpoint whose "
+                              "model tensors are not exactly the optimizer's parameters in order); load it with "
+                              "load_checkpoint(model=<the nn.Module>, optimizer=<the ZeRO-1 optimizer>) instead")
+        return {shard.flat[k].tid: i for k, i in by_key.items()}
+
+    def tensor(self, tid: int) -> torch.Tensor:
+        i = self.index[tid]
+        parts = [self.reader.tensor(layout.tensor_path(f, r[i].tid)) if xser.is_ref(r[i]) else r[i]
+                 for f, r in zip(self.files, self.refs)]
+        return masters.join_shards(parts, self.shape_info[i])
 
 
 def plan_export(tagdir: str, partitions: Sequence[Tuple[str, int, int]] = (), dtype: Optional[torch.dtype] = None,
@@ -228,8 +273,12 @@ def plan_export(tagdir: str, partitions: Sequence[Tuple[str, int, int]] = (), dt
             if layout.ShardName(0, tp, pp) not in names:
                 raise ExportError(f"{folder} lacks {layout.shard_filename(0, tp, pp)}: the checkpoint is incomplete")
     ntp = max(tps) + 1
-    xser_folder = layout.folder_is_xser(folder)
+    from_masters = manifest.get(masters.FLAG) if manifest is not None else layout.model_data_absent(tagdir)
+    xser_folder = from_masters or layout.folder_is_xser(folder)   # no .tensors folder when all data is in optim/
     shards = {(s.tp, s.pp): _Shard(reader, f"{layout.MODEL_DIR}/{n}", manifest, xser_folder) for s, n in names.items()}
+    if from_masters:
+        for (tp, pp), sh in shards.items():
+            sh.masters = _Masters(reader, tagdir, sh, tp, pp)
     skipped = sorted({k for sh in shards.values() for k in sh.skipped if k})
     outs: Dict[str, OutTensor] = {}
     for pp in range(max(pps) + 1):

@@ -67,3 +67,23 @@ def broadcast_tensor(t: torch.Tensor, src: int, group) -> torch.Tensor:
 
 def dumps(obj) -> bytes:
     return pickle.dumps(obj)
+
+
+def share_tensor_dicts(mine: Dict[int, Dict[int, torch.Tensor]], note, replicas: Sequence[int], group):
+    """Every replica's ``{a: {b: CPU tensor}}`` merged into one, plus every replica's small picklable ``note``
+    (in replica order), over the gloo ``group`` of ``replicas``. Every replica calls it; ``group`` None: alone."""
+    if group is None:
+        return mine, [note]
+    ranks = sorted(replicas)
+    meta = {a: {b: (tuple(t.shape), t.dtype) for b, t in d.items()} for a, d in mine.items()}
+    gathered: List[Optional[object]] = [None] * len(ranks)
+    dist.all_gather_object(gathered, (meta, note), group=group)
+    me = dist.get_rank()
+    out: Dict[int, Dict[int, torch.Tensor]] = {}
+    for src, (theirs, _) in zip(ranks, gathered):
+        for a in sorted(theirs):
+            for b in sorted(theirs[a]):
+                shape, dtype = theirs[a][b]
+                t = mine[a][b].contiguous() if src == me else torch.empty(shape, dtype=dtype)
+                out.setdefault(a, {})[b] = broadcast_tensor(t, src, group)
+    return out, [g[1] for g in gathered]

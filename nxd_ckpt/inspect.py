@@ -14,7 +14,7 @@ import torch
 
 import xser
 
-from . import commit, layout
+from . import commit, layout, masters
 from .errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from .storage import LocalStorage
 from .verify import CheckedReader, load_manifest_file, shard_refs, walk_refs
@@ -96,6 +96,8 @@ def tag_summary(tagdir: str, committed_at: Optional[float] = None) -> dict:
                 continue
             row["files"] += 1
             row["size"] += os.path.getsize(full)
+    row["model_from_master_weights"] = (bool(manifest.get(masters.FLAG)) if manifest is not None
+                                        else layout.model_data_absent(tagdir))
     if committed_at is None:
         marker = os.path.join(tagdir, layout.DONE_MARKER if has_done else "")
         committed_at = os.path.getmtime(marker if has_done else tagdir)
@@ -246,6 +248,7 @@ def describe(tagdir: str, tensors: bool = False, trusted: bool = False) -> dict:
         "library_version": manifest.get("library_version") if manifest else None,
         "topology": dict(manifest["topology"]) if manifest else derived_topology(tagdir),
         "zero1": summary["zero1"], "xser": summary["xser"],
+        "model_from_master_weights": summary["model_from_master_weights"],
         "has_model": os.path.isdir(os.path.join(tagdir, layout.MODEL_DIR)),
         "has_optim": os.path.isdir(os.path.join(tagdir, layout.OPTIM_DIR)),
         "total_bytes": summary["size"], "total_files": summary["files"],
@@ -309,6 +312,9 @@ def format_list(rows: List[dict]) -> str:
                      _yn(r["zero1"]), _yn(r["xser"])])
     lines = _table(head, body)
     for r in rows:
+        if r.get("model_from_master_weights"):
+            lines.append(f"  {r['tag']}: model weights kept only as ZeRO-1 master weights "
+                         "(avoid_saving_lower_precision_weights)")
         if r.get("problem"):
             lines.append(f"  {r['tag']}: {r['problem']}")
     return "\n".join(lines)
@@ -338,6 +344,8 @@ def format_describe(d: dict) -> str:
         "topology:   " + "  ".join(f"{k}={_s(t.get(k))}" for k in ("world_size", "tp", "pp", "dp", "cp", "ep"))
         + (f"  layout={t['layout']}" if t.get("layout") not in (None, "row_major") else ""),
         f"zero1:      {_yn(d['zero1'])}    xser: {_yn(d['xser'])}",
+        *(["model:      weights kept only as ZeRO-1 master weights in optim/ "
+           "(avoid_saving_lower_precision_weights)"] if d.get("model_from_master_weights") else []),
         f"size:       {format_bytes(d['total_bytes'])} in {d['total_files']} files",
         f"tensors:    {d['tensor_count']}  " + ", ".join(
             f"{k}: {v['count']} ({format_bytes(v['bytes'])})" for k, v in sorted(d["dtypes"].items())),

@@ -22,6 +22,7 @@ TMP_SUFFIX = ".nxdtmp"              # files being written; never part of a compl
 OLD_SUFFIX = ".nxdold"              # a tag being replaced or deleted
 RESERVED_SUFFIXES = (TMP_SUFFIX, OLD_SUFFIX)
 INFO_SUFFIX = ".info.pt"
+DCP_METADATA_FILE = ".metadata"      # torch.distributed.checkpoint's metadata (NxD's use_zero1_dcp optimizer)
 TENSORS_SUFFIX = ".tensors"
 
 _SHARD_RE = re.compile(
@@ -141,6 +142,33 @@ def looks_like_checkpoint_dir(path: str) -> bool:
     return os.path.isfile(os.path.join(path, CHECKPOINT_MARKER)) and (
         os.path.isdir(os.path.join(path, MODEL_DIR)) or os.path.isdir(os.path.join(path, OPTIM_DIR))
     )
+
+
+def holds_checkpoint_data(path: str) -> bool:
+    """True when a tag directory holds something load_checkpoint reads: a shard (ref file, or NxD's DCP
+    optimizer) in model/ or optim/, or scheduler.pt / user_content.pt."""
+    if any(os.path.isfile(os.path.join(path, n)) for n in (SCHEDULER_FILE, USER_CONTENT_FILE)):
+        return True
+    if list_shard_files(os.path.join(path, MODEL_DIR)) or list_shard_files(os.path.join(path, OPTIM_DIR)):
+        return True
+    return os.path.isfile(os.path.join(path, OPTIM_DIR, DCP_METADATA_FILE))
+
+
+def model_data_absent(path: str) -> bool:
+    """True for NxD's ``avoid_saving_lower_precision_weights`` layout in tag directory ``path``: model/ holds
+    xser ref and info files but none of their tensor files, and optim/ holds shards (whose ZeRO-1 master
+    weights hold the model's weights)."""
+    folder = os.path.join(path, MODEL_DIR)
+    refs = list_shard_files(folder)
+    if not refs or not list_shard_files(os.path.join(path, OPTIM_DIR)):
+        return False
+    for name in refs.values():
+        if not os.path.isfile(os.path.join(folder, name + INFO_SUFFIX)):
+            return False
+        tdir = os.path.join(folder, name + TENSORS_SUFFIX)
+        if os.path.isdir(tdir) and any(n.startswith("tensor_") for n in os.listdir(tdir)):
+            return False
+    return True
 
 
 def list_shard_files(folder: str) -> dict:

@@ -9,15 +9,18 @@ from __future__ import annotations
 import fnmatch
 import logging
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Union
 
 import torch
 
-from . import commit, errors, hostgroups, layout, reshard_load
-from .errors import (CheckpointNotFoundError, CorruptCheckpointError, StateMismatchError,
-                     TopologyMismatchError)
+import xser
+
+from . import commit, errors, hostgroups, layout, masters, reshard_load
+from .errors import (CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError,
+                     StateMismatchError, TopologyMismatchError)
 from .plan import home_filename, model_filename, optim_filename, replica_groups
-from .reader import FileReader, read_shard, resolve, share_shard
+from .reader import ALL, FileReader, read_shard, resolve, share_shard
 from .storage import Storage
 from .world import World
 
@@ -36,16 +39,7 @@ def candidate_tags(storage: Storage, tag) -> List[str]:
         if tag in recoverable:
             return [recoverable[tag]]
         if not storage.exists(f"{tag}/{layout.DONE_MARKER}"):
-            available = commit.complete_tags(storage)
-            if storage.isdir(tag):
-                from .errors import IncompleteCheckpointError
-
-                raise IncompleteCheckpointError(
-                    f"checkpoint {tag!r} in {storage.root} has no 'done' marker: its save never finished. "
-                    f"Complete checkpoints: {available or 'none'}; pass one of them or tag=None for the newest")
-            raise CheckpointNotFoundError(
-                f"no checkpoint {tag!r} in {storage.root}. Complete checkpoints, newest first: "
-                f"{available or 'none'}")
+            _check_unmarked(storage, tag)
         return [tag]
     tags = [name for _, name in commit.loadable(storage)]
     if not tags:
@@ -55,6 +49,28 @@ def candidate_tags(storage: Storage, tag) -> List[str]:
     return tags
 
 
+def _check_unmarked(storage: Storage, tag: str) -> None:
+    """An explicit tag without `done`: loadable when it has no markers at all (NxD's converter output,
+    weights converted from Hugging Face by NxD's checkpoint converter), as NxD loads it; refused when it
+    has the `checkpoint` marker (a save that began and never finished) or holds no checkpoint."""
+    available = commit.complete_tags(storage)
+    if storage.exists(f"{tag}/{layout.CHECKPOINT_MARKER}"):
+        raise IncompleteCheckpointError(
+            f"checkpoint {tag!r} in {storage.root} has a 'checkpoint' marker but no 'done' marker: its save began "
+            f"and never finished (interrupted), so its files may be partial. Complete checkpoints: "
+            f"{available or 'none'}; pass one of them or tag=None for the newest")
+    if storage.isdir(tag) and layout.holds_checkpoint_data(storage.path(tag)):
+        log.info("nxd_ckpt: checkpoint %s in %s has no 'done' marker and no 'checkpoint' marker (written by a "
+                 "converter, not by a save); loading it as given", tag, storage.root)
+        return
+    if storage.isdir(tag):
+        raise CheckpointNotFoundError(
+            f"{storage.root}/{tag} holds no checkpoint (no model/ or optim/ shard, no scheduler.pt or "
+            f"user_content.pt). Complete checkpoints, newest first: {available or 'none'}")
+    raise CheckpointNotFoundError(
+        f"no checkpoint {tag!r} in {storage.root}. Complete checkpoints, newest first: {available or 'none'}")
+
+
 # --- topology ------------------------------------------------------------------------------------
 def saved_topology(storage: Storage, tag: str, manifest: Optional[dict]) -> dict:
     """tp/pp/ep/dp/zero1/xser of a saved checkpoint: from the manifest, else from the file names."""
@@ -62,6 +78,7 @@ def saved_topology(storage: Storage, tag: str, manifest: Optional[dict]) -> dict
         t = dict(manifest["topology"])
         t.update(zero1=manifest["zero1"], xser=manifest["xser"])
         t["zero1_shards"] = t["dp"]
+        t["from_masters"] = bool(manifest.get(masters.FLAG, False))
         return t
     model = layout.list_shard_files(storage.path(f"{tag}/{layout.MODEL_DIR}")) if hasattr(storage, "path") else {}
     optim = layout.list_shard_files(storage.path(f"{tag}/{layout.OPTIM_DIR}")) if hasattr(storage, "path") else {}
@@ -76,6 +93,7 @@ def saved_topology(storage: Storage, tag: str, manifest: Optional[dict]) -> dict
         "zero1": zero1,
         "xser": layout.folder_is_xser(storage.path(f"{tag}/{layout.MODEL_DIR}"))
         or layout.folder_is_xser(storage.path(f"{tag}/{layout.OPTIM_DIR}")),
+        "from_masters": layout.model_data_absent(storage.path(tag)),
     }
     return t
 
@@ -204,7 +222,7 @@ def read_tag(storage: Storage, tag: str, world: World, *, want_model: bool, want
             check_topology(tag, saved, world, want_optim)
             reader = FileReader(storage, tag, manifest, trusted, mapped=mapped)
             state = _read_parts(reader, saved, world, want_model, want_optim, want_scheduler, num_workers, node_local)
-        state["manifest"], state["saved"] = manifest, saved
+        state["manifest"], state["saved"], state["targets"] = manifest, saved, (model, optimizer)
     except Exception as exc:  # noqa: BLE001 - every failure must be agreed on before anyone raises
         error = exc
     agree(error)
@@ -270,9 +288,13 @@ def _read_parts(reader: FileReader, saved: dict, world: World, want_model: bool,
             _require(reader, rel, "model" if part == "model" else "optimizer")
             groups = replica_groups(topo, name_of)
             homes = replica_groups(topo, home_filename(name_of))   # who shares the non-expert tensors
+            from_masters = part == "model" and saved.get("from_masters")
             out[part] = read_shard(reader, rel, groups[name], world.rank, pool, cooperative, xser_shard,
-                                   home_replicas=homes[layout.tensor_home(name, expert=False)])
+                                   home_replicas=homes[layout.tensor_home(name, expert=False)],
+                                   skip=_master_tids(reader, rel) if from_masters else ())
             out[f"{part}_groups"] = list(groups.values()) + list(homes.values())
+            if from_masters:
+                out["masters"] = _read_masters(reader, saved, world, groups[name] if cooperative else [world.rank])
     if want_scheduler:
         if not reader.exists(layout.SCHEDULER_FILE):
             raise StateMismatchError(f"checkpoint {reader.tag!r} has no {layout.SCHEDULER_FILE}; "
@@ -281,6 +303,50 @@ def _read_parts(reader: FileReader, saved: dict, world: World, want_model: bool,
     if reader.exists(layout.USER_CONTENT_FILE):
         out["user_content"] = reader.load_pickle(layout.USER_CONTENT_FILE)
     return out
+
+
+def _master_tids(reader: FileReader, rel: str):
+    """The model tids whose data lies in the ZeRO-1 master weights: as recorded in our manifest, or every one
+    (neuronx-distributed writes none of the model's tensor files in this mode)."""
+    if reader.manifest is None:
+        return ALL
+    meta = reader.manifest.get("tensors", {}).get(rel, {})
+    return {int(tid) for tid, m in meta.items() if masters.INDEX_META in m}
+
+
+@dataclass
+class MasterRead:
+    """This rank's share of the ZeRO-1 master weights of its (tp, pp) model shard."""
+
+    zero1_shards: int
+    parts: Dict[int, Dict[int, torch.Tensor]]     # saved DP rank -> ZeRO-1 index -> shard
+    shape_info: Optional[dict]
+    replicas: List[int]                           # who shares the reading (and receives it all)
+
+
+def _read_masters(reader: FileReader, saved: dict, world: World, replicas: List[int]) -> MasterRead:
+    """Read the master weights of the saved ZeRO-1 files of this rank's (tp, pp): file d is read by replica
+    ``d % len(replicas)`` (any DP size now), the others receive it in ``_share``."""
+    c = world.topology.coords(world.rank)
+    # ZeRO-1 at DP=1 has the name of a plain optimizer shard: one file
+    shards = saved.get("zero1_shards") or int(reader.exists(f"{layout.OPTIM_DIR}/{layout.shard_filename(0, c.tp, c.pp)}"))
+    if not shards:
+        raise CorruptCheckpointError(
+            f"checkpoint {reader.tag!r} keeps its model weights as ZeRO-1 master weights "
+            "(avoid_saving_lower_precision_weights) but holds no ZeRO-1 optimizer shards to take them from")
+    mine = replicas.index(world.rank)
+    parts, shape_info = {}, None
+    for d in range(mine, shards, len(replicas)):
+        rel = f"{layout.OPTIM_DIR}/{layout.shard_filename(d, c.tp, c.pp)}"
+        data = reader.load_pickle(rel)
+        if not isinstance(data, dict) or masters.MASTERS not in data or "shape_info" not in data:
+            raise CorruptCheckpointError(
+                f"checkpoint {reader.tag!r} keeps its model weights as ZeRO-1 master weights but {rel} has no "
+                f"{masters.MASTERS!r} (or no 'shape_info'); the model cannot be restored from it", path=rel)
+        shape_info = data["shape_info"]
+        parts[d] = {int(i): (reader.load_tensor(layout.tensor_path(rel, t.tid)) if xser.is_ref(t) else t)
+                    for i, t in data[masters.MASTERS].items()}
+    return MasterRead(shards, parts, shape_info, list(replicas))
 
 
 def _require(reader: FileReader, rel: str, what: str) -> None:
@@ -319,7 +385,57 @@ def _share(state: dict, world: World) -> None:
         shard = state[part]
         groups = hostgroups.replica_host_groups(state[f"{part}_groups"]) if world.distributed else {}
         share_shard(shard, groups)
+        if part == "model" and "masters" in state:
+            mr = state["masters"]
+            group = groups.get(tuple(sorted(mr.replicas))) if len(mr.replicas) > 1 else None
+            parts, notes = hostgroups.share_tensor_dicts(mr.parts, mr.shape_info, mr.replicas, group)
+            _fill_from_masters(state, shard, parts, next(n for n in notes if n is not None), world)
         state[part] = resolve(shard)
+
+
+def _fill_from_masters(state: dict, shard, parts: Dict[int, Dict[int, torch.Tensor]], shape_info: dict,
+                       world: World) -> None:
+    """Put the full master weight of each absent model tensor into ``shard`` (cast to the model's saved dtype).
+    An absent tensor without a master weight (a buffer in a neuronx-distributed checkpoint, which saves none of
+    the model's tensors in this mode) stays absent: the target keeps its value, as with neuronx-distributed."""
+    from .capture import ref_paths
+
+    mr: MasterRead = state["masters"]
+    paths = ref_paths(shard.ref_data)
+    index = _master_index(state, shard, paths, shape_info)
+    for tid in shard.absent:
+        i = index.get(tid)
+        if i is None:
+            state.setdefault("model_unsaved", []).append(paths.get(tid, str(tid)))
+            continue
+        want = shard.info[tid] if shard.info and tid in shard.info else None
+        full = masters.join_shards([parts[d][i] for d in range(mr.zero1_shards)], shape_info[i])
+        if want is not None:
+            full = full.to(want["dtype"])
+        shard.tensors[tid] = full
+    if state.get("model_unsaved") and world.is_root:
+        log.info("nxd_ckpt: %d model tensor(s) of this checkpoint have no saved data and no master weight (e.g. "
+                 "buffers); they keep their current values: %s", len(state["model_unsaved"]),
+                 ", ".join(state["model_unsaved"][:10]))
+
+
+def _master_index(state: dict, shard, paths: Dict[int, str], shape_info) -> Dict[int, int]:
+    """tid -> ZeRO-1 index of the absent model tensors: from our manifest, else matched on the live model and
+    optimizer (or by order and shape)."""
+    manifest = state.get("manifest")
+    if manifest is not None:
+        meta = manifest.get("tensors", {}).get(shard.relpath, {})
+        return {int(t): int(m[masters.INDEX_META]) for t, m in meta.items() if masters.INDEX_META in m}
+    model, optimizer = state.get("targets", (None, None))
+    keys_shapes = [(paths.get(t, ""), tuple(shard.info[t]["shape"])) for t in sorted(shard.absent)
+                   if shard.info and t in shard.info]
+    by_key = masters.param_keys(model, optimizer, keys_shapes, shape_info or {})
+    if by_key is None:
+        raise StateMismatchError(
+            "this neuronx-distributed checkpoint keeps the model's weights only as ZeRO-1 master weights "
+            "(avoid_saving_lower_precision_weights), and which model key each belongs to cannot be told from the "
+            "files: pass the nn.Module as model= and the ZeRO-1 optimizer object as optimizer=")
+    return {t: by_key[k] for t, k in paths.items() if k in by_key and t in shard.absent}
 
 
 # --- check and apply -------------------------------------------------------------------------------

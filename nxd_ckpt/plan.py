@@ -7,7 +7,7 @@ largest-first onto the least-loaded replica, and the first replica writes the re
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence
+from typing import Collection, Dict, List, Optional, Sequence
 
 import torch
 
@@ -94,13 +94,15 @@ class ShardPlan:
 
 
 def plan_shard(folder: str, filename: str, replicas: List[int], rank: int, ref_bytes: bytes,
-               tensors: List[torch.Tensor], tensor_meta: Dict[int, dict], xser: bool) -> ShardPlan:
+               tensors: List[torch.Tensor], tensor_meta: Dict[int, dict], xser: bool,
+               skip: Collection[int] = ()) -> ShardPlan:
     """This rank's share of one shard: with xser its bin of tensor files; without, all or nothing. An
-    expert-parallel shard other than ep_rank_00 writes only its expert tensors (layout.tensor_home)."""
+    expert-parallel shard other than ep_rank_00 writes only its expert tensors (layout.tensor_home); the
+    ``skip`` tids are not written at all (their data is saved elsewhere: avoid_saving_lower_precision_weights)."""
     my_index = replicas.index(rank)
     if xser:
-        own = [t for t in range(len(tensors))
-               if layout.tensor_home(filename, layout.is_expert(tensor_meta.get(t))) == filename]
+        own = [t for t in range(len(tensors)) if t not in skip
+               and layout.tensor_home(filename, layout.is_expert(tensor_meta.get(t))) == filename]
         bins = assign_to_bins([tensor_nbytes(tensors[t]) for t in own], len(replicas))
         my_tids = sorted(own[i] for i in bins[my_index])
     else:
@@ -119,6 +121,7 @@ class SavePlan:
     xser: bool
     has_model: bool
     has_optim: bool
+    model_from_masters: bool = False     # avoid_saving_lower_precision_weights took effect
 
     def staged_tensors(self) -> List[torch.Tensor]:
         """The tensors this rank must copy to host, in write order."""

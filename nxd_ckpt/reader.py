@@ -182,16 +182,23 @@ class ShardRead:
     raw_owner: Optional[int] = None
     raw: Optional[bytes] = None
     parse: Optional[Callable[[bytes], object]] = None
+    absent: List[int] = field(default_factory=list)   # tids without a tensor file (filled by the caller)
+
+
+#: read_shard's ``skip`` for "no tensor file of this shard exists"
+ALL = object()
 
 
 def read_shard(reader: FileReader, relpath: str, replicas: List[int], rank: int, pool: ThreadPoolExecutor,
-               cooperative: bool, xser_shard: bool = True, home_replicas: Optional[List[int]] = None) -> ShardRead:
+               cooperative: bool, xser_shard: bool = True, home_replicas: Optional[List[int]] = None,
+               skip=()) -> ShardRead:
     """Read the ref (and info) of a shard and this rank's share of its tensors (all of them when the
     replicas cannot cooperate: no info file, or no process group). A plain shard is read by one replica
     only (chosen by the file's name, so model and optimizer shards go to different replicas).
 
     ``home_replicas``: the ranks whose shards keep their non-expert tensors in the same folder as this one
-    (``layout.tensor_home``; all EP ranks of an expert-parallel shard), who share reading them."""
+    (``layout.tensor_home``; all EP ranks of an expert-parallel shard), who share reading them. The ``skip`` tids (``ALL``: every one) have no tensor file: they are listed
+    in ``absent``, for the caller to fill (avoid_saving_lower_precision_weights)."""
     if cooperative and not xser_shard and len(replicas) > 1:
         owner = replicas[zlib.crc32(relpath.encode()) % len(replicas)]
         shard = ShardRead(relpath, None, [], {}, None, replicas=list(replicas), raw_owner=owner,
@@ -201,9 +208,11 @@ def read_shard(reader: FileReader, relpath: str, replicas: List[int], rank: int,
             shard.ref_data = shard.parse(shard.raw)
         return shard
     ref_data = reader.load_pickle(relpath)
-    tids = sorted(xser.collect_tids(ref_data))
+    every = sorted(xser.collect_tids(ref_data))
+    tids = [] if skip is ALL else [t for t in every if t not in skip]
+    absent = [t for t in every if t not in tids]
     info = None
-    if tids and reader.exists(layout.info_path(relpath)):
+    if every and reader.exists(layout.info_path(relpath)):
         info = reader.load_pickle(layout.info_path(relpath))
     complete = info is not None and all(t in info for t in tids)
     # Without .info.pt (NxD <= 0.6) nothing says which tensors are experts: each lives in its own folder.
@@ -223,7 +232,7 @@ def read_shard(reader: FileReader, relpath: str, replicas: List[int], rank: int,
     mine = [t for t in tids if owner_of[t] == rank]
     loaded = pool.map(lambda t: reader.load_tensor(layout.tensor_path(home[t], t)), mine)
     tensors = dict(zip(mine, loaded))
-    return ShardRead(relpath, ref_data, tids, owner_of, info, tensors, list(replicas), group_of)
+    return ShardRead(relpath, ref_data, tids, owner_of, info, tensors, list(replicas), group_of, absent=absent)
 
 
 def _info_nbytes(entry: dict) -> int:
@@ -301,5 +310,10 @@ class _ViewReader(io.RawIOBase):
 
 
 def resolve(shard: ShardRead):
-    """The shard's data with every reference replaced by its tensor."""
-    return xser.from_refs(shard.ref_data, shard.tensors.__getitem__)
+    """The shard's data with every reference replaced by its tensor; top-level entries whose tensor is
+    absent (never filled) are left out."""
+    gone = object()
+    data = xser.from_refs(shard.ref_data, lambda tid: shard.tensors.get(tid, gone))
+    if isinstance(data, dict):
+        data = type(data)((k, v) for k, v in data.items() if v is not gone)
+    return data

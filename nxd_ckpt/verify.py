@@ -348,6 +348,10 @@ def _verify_nxd(tagdir: str, res: VerifyResult, workers: int, progress, trusted:
     folders = [f for f in (layout.MODEL_DIR, layout.OPTIM_DIR) if os.path.isdir(os.path.join(tagdir, f))]
     if not folders:
         res.problems.append((".", "no model/ or optim/ folder: nothing was saved in this tag"))
+    from_masters = layout.model_data_absent(tagdir)
+    if from_masters:
+        res.notes.append("model weights kept only as ZeRO-1 master weights (avoid_saving_lower_precision_weights): "
+                         "model/ has no tensor files by design; optim/ must hold sharded_master_weights")
     for folder in folders:
         fpath = os.path.join(tagdir, folder)
         xser_folder = layout.folder_is_xser(fpath)
@@ -365,6 +369,10 @@ def _verify_nxd(tagdir: str, res: VerifyResult, workers: int, progress, trusted:
                     continue
                 except CheckpointError as exc:
                     res.problems.append((rel, str(exc)))
+                    continue
+                if from_masters and folder == layout.OPTIM_DIR and "sharded_master_weights" not in data:
+                    res.problems.append((rel, "has no sharded_master_weights, which hold this tag's model weights"))
+                if from_masters and folder == layout.MODEL_DIR:
                     continue
                 info = None
                 if (layout.parse_shard_filename(name) or layout.ShardName(0, 0, 0)).ep:

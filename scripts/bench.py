@@ -414,7 +414,7 @@ class Bench:
         return {"model": self.model, "optimizer": self.optim} if self.optim is not None else self.model
 
     def save_kwargs(self) -> dict:
-        kw = {"model": self.model, "num_workers": self.args.num_workers}
+        kw = {"model": self.model, "num_workers": self.args.num_workers, "use_xser": True}
         if self.optim is not None:
             kw["optimizer"] = self.optim
         return kw

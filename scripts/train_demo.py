@@ -631,7 +631,7 @@ def main(argv=None):
             nxd_ckpt.save_checkpoint(args.ckpt_dir, tag, model=model, optimizer=opt, scheduler=sched,
                                      user_content=uc, num_workers=args.num_workers,
                                      num_kept_ckpts=args.num_kept, async_save=args.async_save,
-                                     zero1_optimizer=args.zero1)
+                                     zero1_optimizer=args.zero1, use_xser=True)
             report["save_steps"].append(step)
             if step == args.crash_at_step:
                 from nxd_ckpt.engine import get_engine

@@ -276,14 +276,14 @@ def crash_run(rank: int, world: int, root: str, side: str, phase: str, victims: 
     train(model, opt, sched, 0)
     dump(side, rank, STEPS, state_of(model, opt, sched))
     nxd_ckpt.save_checkpoint(root, FIRST, model=model, optimizer=opt, scheduler=sched,
-                             user_content={"step": STEPS}, num_kept_ckpts=num_kept)
+                             user_content={"step": STEPS}, num_kept_ckpts=num_kept, use_xser=True)
     train(model, opt, sched, STEPS)
     dump(side, rank, 2 * STEPS, state_of(model, opt, sched))
     arm(phase, rank, rank in victims, len(victims) == world)
     try:
         nxd_ckpt.save_checkpoint(root, SECOND, model=model, optimizer=opt, scheduler=sched,
                                  user_content={"step": 2 * STEPS}, num_kept_ckpts=num_kept, async_save=True,
-                                 timeout_s=timeout_s)
+                                 timeout_s=timeout_s, use_xser=True)
         nxd_ckpt.finalize_checkpoint()
     except nxd_ckpt.RankFailureError as exc:
         return {"raised": type(exc).__name__, "causes": {int(k): v for k, v in exc.causes.items()},
@@ -309,7 +309,7 @@ def restart_run(rank: int, world: int, root: str, side: str, expect_step: int, n
     assert_bit_equal(want["optim"], got["optim"], "optim")
     assert got["sched"] == want["sched"], (got["sched"], want["sched"])
     nxd_ckpt.save_checkpoint(root, RESUMED, model=model, optimizer=opt, scheduler=sched,
-                             user_content={"step": expect_step}, num_kept_ckpts=num_kept)
+                             user_content={"step": expect_step}, num_kept_ckpts=num_kept, use_xser=True)
     return {"loaded": expect_step}
 
 
@@ -323,13 +323,13 @@ def hung_run(rank: int, world: int, root: str, stopped: int, timeout_s: float, s
     from tiny_models import xla_device
 
     state = {f"w{i}": torch.full((8,), float(i)).to(xla_device()) for i in range(2 * world)}
-    nxd_ckpt.save_checkpoint(root, "good", model=state)
+    nxd_ckpt.save_checkpoint(root, "good", model=state, use_xser=True)
     if rank == stopped:
         set_write_hook(lambda rel: os.kill(os.getpid(), signal.SIGSTOP) if ".tensors/" in rel else None)
     elif rank == 0 and slow_root_s:
         set_write_hook(lambda rel: time.sleep(slow_root_s) if ".tensors/" in rel else None)
     try:
-        nxd_ckpt.save_checkpoint(root, "hung", model=state, timeout_s=timeout_s)
+        nxd_ckpt.save_checkpoint(root, "hung", model=state, timeout_s=timeout_s, use_xser=True)
     except nxd_ckpt.RankFailureError as exc:
         return {"raised": type(exc).__name__, "causes": {int(k): v for k, v in exc.causes.items()},
                 "message": str(exc)}

@@ -36,7 +36,7 @@ def test_call_returns_before_any_file_exists(tmp_path, clean_hook):
     clean_hook(lambda rel: gate.wait(60))
     model = TinyShard().to(xla_device())
     root = str(tmp_path / "ckpt")
-    nxd_ckpt.save_checkpoint(root, "a", model=model, async_save=True)
+    nxd_ckpt.save_checkpoint(root, "a", model=model, async_save=True, use_xser=True)
     assert not os.path.exists(os.path.join(root, "a")), "files appeared before the writers were released"
     assert nxd_ckpt.list_checkpoints(root) == []
     gate.set()
@@ -49,7 +49,7 @@ def test_done_appears_without_a_further_save(tmp_path):
 
     model = TinyShard().to(xla_device())
     root = str(tmp_path / "ckpt")
-    nxd_ckpt.save_checkpoint(root, "a", model=model, async_save=True)
+    nxd_ckpt.save_checkpoint(root, "a", model=model, async_save=True, use_xser=True)
     assert _wait_for(lambda: os.path.exists(os.path.join(root, "a", "done")))
     nxd_ckpt.finalize_checkpoint()
 
@@ -60,7 +60,7 @@ def test_stats_and_log_of_a_sync_save_count_the_whole_save_as_stall(tmp_path, ca
     model = TinyShard().to(xla_device())
     root = str(tmp_path / "ckpt")
     with caplog.at_level("INFO", logger="nxd_ckpt"):
-        nxd_ckpt.save_checkpoint(root, "s", model=model)
+        nxd_ckpt.save_checkpoint(root, "s", model=model, use_xser=True)
     stats = nxd_ckpt.save_stats()[-1]
     assert stats["tag"] == "s" and stats["ok"]
     assert stats["stall_s"] >= stats["commit_s"], "a sync save blocks until its commit"
@@ -80,7 +80,7 @@ def test_later_mutations_do_not_reach_the_files(tmp_path, clean_hook):
     user = {"step": 1, "items": [1, 2]}
     expect_model, expect_opt = to_cpu_state(model.state_dict()), to_cpu_state(opt.state_dict())
     root = str(tmp_path / "ckpt")
-    nxd_ckpt.save_checkpoint(root, "a", model=model, optimizer=opt, user_content=user, async_save=True)
+    nxd_ckpt.save_checkpoint(root, "a", model=model, optimizer=opt, user_content=user, async_save=True, use_xser=True)
     # mutate everything: device params in place, Adam's CPU step tensor, the user's dict
     with torch.no_grad():
         for p in model.parameters():
@@ -108,7 +108,7 @@ def test_twenty_async_saves_keep_exactly_two(tmp_path):
     for i in range(20):
         with torch.no_grad():
             model.bias.add_(1.0)
-        nxd_ckpt.save_checkpoint(root, f"step_{i}", model=model, async_save=True, num_kept_ckpts=2)
+        nxd_ckpt.save_checkpoint(root, f"step_{i}", model=model, async_save=True, num_kept_ckpts=2, use_xser=True)
     nxd_ckpt.finalize_checkpoint()
     assert nxd_ckpt.list_checkpoints(root) == ["step_19", "step_18"]
     assert sorted(os.listdir(root)) == ["newest", "step_18", "step_19"]
@@ -123,7 +123,7 @@ def test_small_budget_streams_and_stays_correct(tmp_path):
     model = TinyShard(hidden=64).to(xla_device())
     root = str(tmp_path / "ckpt")
     # 64x64 float32 = 16 KiB per matrix: a 20 KiB budget forces one tensor at a time
-    nxd_ckpt.save_checkpoint(root, "a", model=model, async_save=True, host_memory_budget=20 << 10)
+    nxd_ckpt.save_checkpoint(root, "a", model=model, async_save=True, host_memory_budget=20 << 10, use_xser=True)
     nxd_ckpt.finalize_checkpoint()
     fresh = TinyShard(hidden=64, seed_offset=1).to(xla_device())
     nxd_ckpt.load_checkpoint(root, model=fresh)
@@ -137,7 +137,7 @@ def test_device_snapshot_mode(tmp_path):
     model = TinyShard().to(dev)
     expect = to_cpu_state(model.state_dict())
     root = str(tmp_path / "ckpt")
-    nxd_ckpt.save_checkpoint(root, "a", model=model, async_save=True, device_snapshot=True)
+    nxd_ckpt.save_checkpoint(root, "a", model=model, async_save=True, device_snapshot=True, use_xser=True)
     with torch.no_grad():
         for p in model.parameters():
             p.mul_(3.0)
@@ -154,7 +154,7 @@ def _failing_rank(rank, world, root):
     from nxd_ckpt.storage import set_write_hook
 
     model = TinyShard(seed_offset=rank).to(xla_device())
-    nxd_ckpt.save_checkpoint(root, "good", model={"w": model.up}, async_save=True)
+    nxd_ckpt.save_checkpoint(root, "good", model={"w": model.up}, async_save=True, use_xser=True)
     nxd_ckpt.finalize_checkpoint()
 
     def hook(rel):
@@ -163,7 +163,7 @@ def _failing_rank(rank, world, root):
 
     set_write_hook(hook)
     state = {f"t{i}": torch.full((16,), float(i)).to(xla_device()) for i in range(8)}  # 2 files per rank
-    nxd_ckpt.save_checkpoint(root, "bad", model=state, async_save=True)
+    nxd_ckpt.save_checkpoint(root, "bad", model=state, async_save=True, use_xser=True)
     try:
         nxd_ckpt.finalize_checkpoint()
     except nxd_ckpt.RankFailureError as exc:
@@ -200,7 +200,7 @@ def test_exit_waits_for_the_save_in_flight(tmp_path):
         "from nxd_ckpt.storage import set_write_hook\n"
         "import time\n"
         "set_write_hook(lambda rel: time.sleep(0.05))\n"
-        "nxd_ckpt.save_checkpoint(%r, 'last', model={'w': torch.arange(10.0)}, async_save=True)\n"
+        "nxd_ckpt.save_checkpoint(%r, 'last', model={'w': torch.arange(10.0)}, async_save=True, use_xser=True)\n"
     ) % (os.path.dirname(__file__), str(root))
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
     assert (root / "last" / "done").exists()

@@ -111,7 +111,7 @@ def test_end_to_end_with_save_checkpoint(tmp_path, capsys):
     model = torch.nn.Linear(4, 3)
     full = full_zero1_params()
     nxd_ckpt.save_checkpoint(root, "step_1", model=model, optimizer=zero1_states(full, 1)[0],
-                             zero1_optimizer=True, user_content={"step": 1})
+                             zero1_optimizer=True, user_content={"step": 1}, use_xser=True)
     rows = _json(capsys, "ls", root, "--json")
     assert rows[0]["tag"] == "step_1" and rows[0]["status"] == "complete" and rows[0]["dp"] == 1
     assert main(["verify", root]) == 0

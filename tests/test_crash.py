@@ -137,16 +137,16 @@ def _disk_full_rank(rank, world, root, inject):
     ps.initialize_model_parallel(tensor_model_parallel_size=world)
     model = TinyShard(rank)
     expect = to_cpu_state(model.state_dict())
-    nxd_ckpt.save_checkpoint(root, "small", model=model, num_kept_ckpts=1)
+    nxd_ckpt.save_checkpoint(root, "small", model=model, num_kept_ckpts=1, use_xser=True)
     big = {f"b{i}": torch.randn(16 << 10).to(xla_device()) for i in range(3)}   # 3 x 64 KiB per rank
     raised = {}
     try:
-        nxd_ckpt.save_checkpoint(root, "big_sync", model=big, num_kept_ckpts=1, timeout_s=30)
+        nxd_ckpt.save_checkpoint(root, "big_sync", model=big, num_kept_ckpts=1, timeout_s=30, use_xser=True)
     except nxd_ckpt.RankFailureError as exc:
         raised["sync"] = exc.causes
     # rank 0 removed the failed save's files before reporting the failure: the disk is not left full
     listing_after_sync = sorted(os.listdir(root)) if rank == 0 else None
-    nxd_ckpt.save_checkpoint(root, "big_async", model=big, num_kept_ckpts=1, async_save=True, timeout_s=30)
+    nxd_ckpt.save_checkpoint(root, "big_async", model=big, num_kept_ckpts=1, async_save=True, timeout_s=30, use_xser=True)
     try:
         nxd_ckpt.finalize_checkpoint()
     except nxd_ckpt.RankFailureError as exc:
@@ -156,7 +156,7 @@ def _disk_full_rank(rank, world, root, inject):
     nxd_ckpt.load_checkpoint(root, model=fresh)
     assert_bit_equal(expect, to_cpu_state(fresh.state_dict()))
     # a save that fits still succeeds on the same disk, and retention replaces the old one
-    nxd_ckpt.save_checkpoint(root, "small2", model=fresh, num_kept_ckpts=1)
+    nxd_ckpt.save_checkpoint(root, "small2", model=fresh, num_kept_ckpts=1, use_xser=True)
     return {"raised": {k: {int(r): c for r, c in v.items()} for k, v in raised.items()},
             "listing_after_sync": listing_after_sync, "complete": complete}
 
@@ -187,7 +187,7 @@ def test_failed_prepare_leaks_neither_memory_nor_files(tmp_path):
 
     root = str(tmp_path / "ckpt")
     model = TinyShard(hidden=32)          # 4 KiB matrices: a 4 KiB budget stages one at a time
-    nxd_ckpt.save_checkpoint(root, "good", model=model)
+    nxd_ckpt.save_checkpoint(root, "good", model=model, use_xser=True)
     budget = get_engine().budget
     capacity = budget.capacity
 
@@ -198,11 +198,11 @@ def test_failed_prepare_leaks_neither_memory_nor_files(tmp_path):
     set_write_hook(hook)
     try:
         with pytest.raises(nxd_ckpt.RankFailureError, match="No space left on device") as info:
-            nxd_ckpt.save_checkpoint(root, "bad", model=model, host_memory_budget=4096, timeout_s=10)
+            nxd_ckpt.save_checkpoint(root, "bad", model=model, host_memory_budget=4096, timeout_s=10, use_xser=True)
         assert "save again" in str(info.value)
         set_write_hook(None)
         assert sorted(os.listdir(root)) == ["good", "newest"]
-        nxd_ckpt.save_checkpoint(root, "next", model=model, host_memory_budget=4096, timeout_s=10)
+        nxd_ckpt.save_checkpoint(root, "next", model=model, host_memory_budget=4096, timeout_s=10, use_xser=True)
         assert budget.used == 0
     finally:
         set_write_hook(None)
@@ -226,13 +226,13 @@ def _caught_failure_rank(rank, world, root):
 
     set_write_hook(hook)
     state = {f"t{i}": torch.full((4,), float(i)) for i in range(4)}   # replicated: both ranks write files
-    nxd_ckpt.save_checkpoint(root, "bad", model=state, async_save=True, timeout_s=20)
+    nxd_ckpt.save_checkpoint(root, "bad", model=state, async_save=True, timeout_s=20, use_xser=True)
     if rank == 1:
         time.sleep(2.0)          # ... while rank 1's 'bad' has already failed when it starts the next save
     raised = []
     for tag in ("s0", "s1"):
         try:
-            nxd_ckpt.save_checkpoint(root, tag, model=state, async_save=True, timeout_s=20)
+            nxd_ckpt.save_checkpoint(root, tag, model=state, async_save=True, timeout_s=20, use_xser=True)
         except nxd_ckpt.RankFailureError as exc:
             raised.append((tag, str(exc)))
     nxd_ckpt.finalize_checkpoint()

@@ -21,7 +21,7 @@ def saved(tmp_path):
     opt = torch.optim.Adam(model.parameters(), lr=0.1)
     sched = torch.optim.lr_scheduler.StepLR(opt, 1)
     train_steps(model, opt, 1, seed=2)
-    nxd_ckpt.save_checkpoint(root, "step_1", model=model, optimizer=opt, scheduler=sched)
+    nxd_ckpt.save_checkpoint(root, "step_1", model=model, optimizer=opt, scheduler=sched, use_xser=True)
     return root, model, opt
 
 
@@ -32,7 +32,7 @@ def saved(tmp_path):
 def test_bad_tags_refused_before_writing(tmp_path, tag, needle):
     root = tmp_path / "ckpt"
     with pytest.raises(nxd_ckpt.CheckpointArgumentError, match=None) as e:
-        nxd_ckpt.save_checkpoint(str(root), tag, model=TinyShard())
+        nxd_ckpt.save_checkpoint(str(root), tag, model=TinyShard(), use_xser=True)
     assert needle in str(e.value)
     assert not root.exists()
 
@@ -60,7 +60,7 @@ def test_checkpoint_dir_that_is_a_file(tmp_path):
     f = tmp_path / "afile"
     f.write_text("x")
     with pytest.raises(nxd_ckpt.CheckpointArgumentError, match="exists and is not a directory"):
-        nxd_ckpt.save_checkpoint(str(f), "t", model=TinyShard())
+        nxd_ckpt.save_checkpoint(str(f), "t", model=TinyShard(), use_xser=True)
 
 
 def test_no_complete_checkpoint(tmp_path):
@@ -191,7 +191,7 @@ def test_optimizer_type_mismatch_both_ways(tmp_path, saved):
     with pytest.raises(nxd_ckpt.StateMismatchError, match="plain .*optimizer state but the optimizer is ZeRO-1"):
         nxd_ckpt.load_checkpoint(root, model=model, optimizer=zero)
     zroot = str(tmp_path / "z")
-    nxd_ckpt.save_checkpoint(zroot, "z1", model=model, optimizer=zero)
+    nxd_ckpt.save_checkpoint(zroot, "z1", model=model, optimizer=zero, use_xser=True)
     plain = torch.optim.Adam(model.parameters())
     with pytest.raises(nxd_ckpt.StateMismatchError, match="holds ZeRO-1 .* load it into a ZeRO-1 optimizer"):
         nxd_ckpt.load_checkpoint(zroot, model=model, optimizer=plain)
@@ -203,7 +203,7 @@ def test_a_merged_zero1_state_names_the_way_back(tmp_path):
 
     root = str(tmp_path / "z")
     model = TinyShard()
-    nxd_ckpt.save_checkpoint(root, "z1", model=model, optimizer=ZeroOneAdam(model.parameters()))
+    nxd_ckpt.save_checkpoint(root, "z1", model=model, optimizer=ZeroOneAdam(model.parameters()), use_xser=True)
     assert main(["convert-zero1", "--input_dir", os.path.join(root, "z1"), "--output_dir",
                  os.path.join(root, "full"), "--convert_to_full"]) == 0
     zero = ZeroOneAdam(model.parameters())
@@ -216,7 +216,7 @@ def test_a_merged_zero1_state_names_the_way_back(tmp_path):
 def test_missing_scheduler_file(tmp_path):
     root = str(tmp_path / "c")
     model = TinyShard()
-    nxd_ckpt.save_checkpoint(root, "a", model=model)
+    nxd_ckpt.save_checkpoint(root, "a", model=model, use_xser=True)
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
     with pytest.raises(nxd_ckpt.StateMismatchError, match="has no scheduler.pt"):
         nxd_ckpt.load_checkpoint(root, model=model, scheduler=torch.optim.lr_scheduler.StepLR(opt, 1))
@@ -228,7 +228,7 @@ def test_unsafe_user_content_needs_trusted(tmp_path):
     from tiny_models import Note
 
     content = {"note": Note("hi")}   # a class outside weights_only's allowlist
-    nxd_ckpt.save_checkpoint(root, "a", model=TinyShard(), user_content=content)
+    nxd_ckpt.save_checkpoint(root, "a", model=TinyShard(), user_content=content, use_xser=True)
     with pytest.raises(nxd_ckpt.UnsafeCheckpointError) as e:
         nxd_ckpt.load_checkpoint(root, model=TinyShard())
     assert isinstance(e.value, nxd_ckpt.CheckpointError)
@@ -240,7 +240,7 @@ def test_unsafe_user_content_needs_trusted(tmp_path):
 def test_unpicklable_user_content_refused_before_writing(tmp_path):
     root = tmp_path / "c"
     with pytest.raises(Exception, match="pickle"):
-        nxd_ckpt.save_checkpoint(str(root), "a", model=TinyShard(), user_content={"f": lambda: 1})
+        nxd_ckpt.save_checkpoint(str(root), "a", model=TinyShard(), user_content={"f": lambda: 1}, use_xser=True)
     assert not (root / "a").exists()
 
 
@@ -252,7 +252,7 @@ def _save_tp2(rank, world, root):
     model = TinyShard(ps.get_tensor_model_parallel_rank())
     opt = ZeroOneAdam(model.parameters(), dp_group=ps.get_data_parallel_host_group(),
                       dp_rank=ps.get_data_parallel_rank(), dp_size=ps.get_data_parallel_size())
-    nxd_ckpt.save_checkpoint(root, "s", model=model, optimizer=opt)
+    nxd_ckpt.save_checkpoint(root, "s", model=model, optimizer=opt, use_xser=True)
     return True
 
 

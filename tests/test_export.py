@@ -185,7 +185,7 @@ def _save_tp2(rank, world, root):
     model = TinyShard(ps.get_tensor_model_parallel_rank())   # up: column parallel, down: row parallel
     with torch.no_grad():                                      # bias is replicated: the same on both ranks
         model.bias.copy_(torch.linspace(-1, 1, 8).to(model.bias.device))
-    nxd_ckpt.save_checkpoint(root, "t", model=model)
+    nxd_ckpt.save_checkpoint(root, "t", model=model, use_xser=True)
     return to_cpu_state(model.state_dict())
 
 

@@ -47,7 +47,7 @@ def pristine(tmp_path_factory):
         train_steps(model, opt, 1, seed=3, sched=sched, start=step - 1)
         states[tag] = _state(model, opt, sched)
         nxd_ckpt.save_checkpoint(root, tag, model=model, optimizer=opt, scheduler=sched,
-                                 user_content={"step": step})
+                                 user_content={"step": step}, use_xser=True)
     return root, states
 
 
@@ -227,7 +227,7 @@ def test_nxd_checkpoint_loads(nxd_dir):
     _assert_state(states[2], model, opt, sched)
 
     # nxd-ckpt starts saving into the same directory: the older NxD tags still load without a manifest
-    nxd_ckpt.save_checkpoint(root, "ours_3", model=model, optimizer=opt, scheduler=sched, user_content={"step": 3})
+    nxd_ckpt.save_checkpoint(root, "ours_3", model=model, optimizer=opt, scheduler=sched, user_content={"step": 3}, use_xser=True)
     assert nxd_ckpt.load_checkpoint(root, tag="nxd_1", model=model, optimizer=opt, scheduler=sched) == {"step": 1}
     _assert_state(states[1], model, opt, sched)
 
@@ -279,7 +279,7 @@ def _save_two_dp2(rank, world, root):
     for step, tag in ((1, "a"), (2, "b")):
         train_steps(model, opt, 1, seed=3, sched=sched, start=step - 1)
         states[tag] = _state(model, opt, sched)
-        nxd_ckpt.save_checkpoint(root, tag, model=model, optimizer=opt, scheduler=sched)
+        nxd_ckpt.save_checkpoint(root, tag, model=model, optimizer=opt, scheduler=sched, use_xser=True)
     return states
 
 

@@ -37,7 +37,7 @@ def test_mapped_load_is_bit_exact_and_used_for_device_targets(tmp_path, monkeypa
     dev = xla_device()
     sd = _state(dev)
     root = str(tmp_path / "ckpt")
-    nxd_ckpt.save_checkpoint(root, "a", model=sd)
+    nxd_ckpt.save_checkpoint(root, "a", model=sd, use_xser=True)
     calls = _count_mapped(monkeypatch)
     target = {k: torch.zeros_like(v) for k, v in sd.items()}
     nxd_ckpt.load_checkpoint(root, "a", model=target)
@@ -53,7 +53,7 @@ def test_mapped_load_still_names_a_damaged_file(tmp_path, monkeypatch):
 
     dev = xla_device()
     root = str(tmp_path / "ckpt")
-    nxd_ckpt.save_checkpoint(root, "a", model=_state(dev))
+    nxd_ckpt.save_checkpoint(root, "a", model=_state(dev), use_xser=True)
     tensors = os.path.join(root, "a", "model", "dp_rank_00_tp_rank_00_pp_rank_00.pt.tensors")
     big = max((os.path.join(tensors, n) for n in os.listdir(tensors)), key=os.path.getsize)
     with open(big, "r+b") as f:

@@ -53,7 +53,7 @@ def _resume_rank(rank, world, root, port2, zero1, async_save):
     model, opt, sched = _build(ps, zero1, 0)
     _train(ps, model, opt, sched, K, 0, zero1)
     nxd_ckpt.save_checkpoint(root, f"step_{K}", model=model, optimizer=opt, scheduler=sched,
-                             user_content={"step": K}, async_save=async_save, zero1_optimizer=bool(zero1))
+                             user_content={"step": K}, async_save=async_save, zero1_optimizer=bool(zero1), use_xser=True)
     nxd_ckpt.finalize_checkpoint()
     del model, opt, sched
 

@@ -59,7 +59,7 @@ def test_only_checkpoints_are_deleted(tmp_path):
     assert nxd_ckpt.list_checkpoints(root) == ["nxd_old"]      # has_done is not a checkpoint
     model = _model()
     for tag in ("s1", "s2"):
-        nxd_ckpt.save_checkpoint(root, tag, model=model, num_kept_ckpts=1)
+        nxd_ckpt.save_checkpoint(root, tag, model=model, num_kept_ckpts=1, use_xser=True)
     assert nxd_ckpt.list_checkpoints(root) == ["s2"]
     assert sorted(os.listdir(root)) == ["has_done", "newest", "random_dir", "random_file.txt", "s2", "user_folder"]
     for d, files in users.items():
@@ -79,7 +79,7 @@ def test_the_checkpoint_just_saved_is_never_deleted(tmp_path):
 
     root = str(tmp_path / "ckpt")
     _nxd_tag(root, "skewed", mtime=time.time() + 3600)
-    nxd_ckpt.save_checkpoint(root, "s1", model=_model(), num_kept_ckpts=1)
+    nxd_ckpt.save_checkpoint(root, "s1", model=_model(), num_kept_ckpts=1, use_xser=True)
     assert os.path.isfile(os.path.join(root, "s1", "done"))
     assert set(nxd_ckpt.list_checkpoints(root)) == {"s1", "skewed"}
 
@@ -91,7 +91,7 @@ def test_a_checkpoint_being_loaded_is_not_deleted(tmp_path, monkeypatch):
     root = str(tmp_path / "ckpt")
     model = _model()
     expect = to_cpu_state(model.state_dict())
-    nxd_ckpt.save_checkpoint(root, "old", model=model)
+    nxd_ckpt.save_checkpoint(root, "old", model=model, use_xser=True)
 
     reading, gate = threading.Event(), threading.Event()
     original = FileReader.read
@@ -118,14 +118,14 @@ def test_a_checkpoint_being_loaded_is_not_deleted(tmp_path, monkeypatch):
         with torch.no_grad():
             model.bias.add_(1.0)
         for tag in ("n1", "n2"):
-            nxd_ckpt.save_checkpoint(root, tag, model=model, num_kept_ckpts=1)
+            nxd_ckpt.save_checkpoint(root, tag, model=model, num_kept_ckpts=1, use_xser=True)
         assert os.path.isfile(os.path.join(root, "old", "done")), "retention deleted a checkpoint being loaded"
     finally:
         gate.set()
         loader.join(60)
     assert not errors, errors
     assert_bit_equal(expect, target)
-    nxd_ckpt.save_checkpoint(root, "n3", model=model, num_kept_ckpts=1)   # no longer protected
+    nxd_ckpt.save_checkpoint(root, "n3", model=model, num_kept_ckpts=1, use_xser=True)   # no longer protected
     assert sorted(os.listdir(root)) == ["n3", "newest"]
 
 
@@ -135,14 +135,14 @@ def test_an_interrupted_delete_never_looks_complete(tmp_path):
     root = str(tmp_path / "ckpt")
     model = _model()
     for tag in ("t1", "t2"):
-        nxd_ckpt.save_checkpoint(root, tag, model=model)
+        nxd_ckpt.save_checkpoint(root, tag, model=model, use_xser=True)
     # retention's first step on t1, then a crash: the rest of t1 is still there
     os.unlink(os.path.join(root, "t1", "done"))
     assert nxd_ckpt.list_checkpoints(root) == ["t2"]
     with pytest.raises(nxd_ckpt.IncompleteCheckpointError) as info:
         nxd_ckpt.load_checkpoint(root, tag="t1", model=_model(1))
     assert "'t2'" in str(info.value) and "tag=None" in str(info.value)
-    nxd_ckpt.save_checkpoint(root, "t3", model=model)     # keep all: only the debris goes
+    nxd_ckpt.save_checkpoint(root, "t3", model=model, use_xser=True)     # keep all: only the debris goes
     assert sorted(os.listdir(root)) == ["newest", "t2", "t3"]
 
 
@@ -156,7 +156,7 @@ def test_a_crash_inside_the_delete_leaves_recognisable_debris(tmp_path, monkeypa
 
     root = str(tmp_path / "ckpt")
     model = _model()
-    nxd_ckpt.save_checkpoint(root, "t1", model=model, num_kept_ckpts=1)
+    nxd_ckpt.save_checkpoint(root, "t1", model=model, num_kept_ckpts=1, use_xser=True)
     original = LocalStorage.remove_tree
 
     def dies_midway(self, relpath):
@@ -169,10 +169,10 @@ def test_a_crash_inside_the_delete_leaves_recognisable_debris(tmp_path, monkeypa
         return original(self, relpath)
 
     monkeypatch.setattr(LocalStorage, "remove_tree", dies_midway)
-    nxd_ckpt.save_checkpoint(root, "t2", model=model, num_kept_ckpts=1)   # committed; retention failed
+    nxd_ckpt.save_checkpoint(root, "t2", model=model, num_kept_ckpts=1, use_xser=True)   # committed; retention failed
     assert nxd_ckpt.list_checkpoints(root) == ["t2"]
     monkeypatch.setattr(LocalStorage, "remove_tree", original)
-    nxd_ckpt.save_checkpoint(root, "t3", model=model, num_kept_ckpts=1)
+    nxd_ckpt.save_checkpoint(root, "t3", model=model, num_kept_ckpts=1, use_xser=True)
     assert sorted(os.listdir(root)) == ["newest", "t3"]
 
 
@@ -202,7 +202,7 @@ def test_at_most_num_kept_plus_one_tags_on_disk(tmp_path, monkeypatch):
         for i in range(6):
             with torch.no_grad():
                 model.bias.add_(1.0)
-            nxd_ckpt.save_checkpoint(root, f"s{i}", model=model, async_save=True, num_kept_ckpts=2)
+            nxd_ckpt.save_checkpoint(root, f"s{i}", model=model, async_save=True, num_kept_ckpts=2, use_xser=True)
         nxd_ckpt.finalize_checkpoint()
     finally:
         set_write_hook(None)

@@ -161,7 +161,7 @@ def _zero1_rank(rank, world, root):
     train_steps(model, opt, 2, seed=3, dp_rank=ps.get_data_parallel_rank())
     sd = opt.state_dict()
     written = _count_writes()
-    nxd_ckpt.save_checkpoint(root, "step_2", model=model, optimizer=sd, zero1_optimizer=True)
+    nxd_ckpt.save_checkpoint(root, "step_2", model=model, optimizer=sd, zero1_optimizer=True, use_xser=True)
     fresh_model = TinyShard(hidden=6, seed_offset=5).to(dev)
     nxd_ckpt.load_checkpoint(root, model=fresh_model)
     assert_bit_equal(to_cpu_state(model.state_dict()), to_cpu_state(fresh_model.state_dict()), "model")

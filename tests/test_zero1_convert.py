@@ -332,7 +332,7 @@ def _save_at_dp4(rank, world, root):
     ps.initialize_model_parallel(tensor_model_parallel_size=1)
     model, opt = _zero1_run(ps)
     _train_dp(ps, model, opt, 0)
-    nxd_ckpt.save_checkpoint(root, "dp4", model=model, optimizer=opt, user_content={"step": K})
+    nxd_ckpt.save_checkpoint(root, "dp4", model=model, optimizer=opt, user_content={"step": K}, use_xser=True)
 
 
 def _resharded_by_hand(tagdir, dp_rank, dp_size):

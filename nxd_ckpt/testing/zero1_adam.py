@@ -31,7 +31,8 @@ class ZeroOneAdam:
     def __init__(self, params, lr=1e-2, betas=(0.9, 0.999), eps=1e-8, dp_group=None,
                  dp_rank: int = 0, dp_size: int = 1, save_master_weights: bool = True):
         self.params: List[torch.nn.Parameter] = list(params)
-        self.param_groups = [{"lr": lr, "betas": betas, "eps": eps, "params": list(range(len(self.params)))}]
+        # As in torch optimizers, the live groups hold the parameters; state_dict() numbers them.
+        self.param_groups = [{"lr": lr, "betas": betas, "eps": eps, "params": list(self.params)}]
         self.dp_group, self.dp_rank, self.dp_size = dp_group, dp_rank, dp_size
         self.save_master_weights = save_master_weights
         self.base_state = {}
@@ -91,7 +92,7 @@ class ZeroOneAdam:
     def state_dict(self) -> dict:
         sd = {
             "state": {},
-            "param_groups": [dict(g, params=list(g["params"])) for g in self.param_groups],
+            "param_groups": [dict(g, params=list(range(len(g["params"])))) for g in self.param_groups],
             "base_state": {i: dict(s) for i, s in self.base_state.items()},
             "shape_info": {i: p.shape for i, p in enumerate(self.params)},
         }
@@ -108,7 +109,9 @@ class ZeroOneAdam:
             self.base_state[i] = {k: (v.to(p.device) if v.dim() else v.clone()) for k, v in src.items()}
             masters: Optional[dict] = sd.get("sharded_master_weights")
             if masters is not None:
+                # As torch-xla's ZeroRedundancyOptimizer: the parameters become the gathered master weights.
                 self.master[i] = masters[i].to(p.device)
+                self._gather_into(i, p)
             else:  # re-shard from the (already loaded) parameters
                 self.master[i] = shard_of(p.detach().cpu().float(), self.dp_rank, self.dp_size).to(p.device)
 
