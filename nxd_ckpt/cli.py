@@ -240,7 +240,7 @@ def _cmd_convert_state(args) -> int:
 
 
 #: every command's arguments that name a file or directory (each is checked by storage.check_location)
-_PATH_ARGS = ("dir", "tag", "path", "input_dir", "output_dir", "output")
+_PATH_ARGS = ("dir", "tag", "path", "input_dir", "output_dir", "output", "src", "dst", "hf_dir")
 
 
 # --- entry points ---------------------------------------------------------------------------------------

@@ -34,7 +34,7 @@ NXD_SIGNATURES = {
 # Ours after NxD's, keyword-only.
 EXTRAS = {
     "save_checkpoint": {"host_memory_budget", "device_snapshot", "timeout_s"},
-    "load_checkpoint": {"ignore_keys", "trusted", "node_local"},
+    "load_checkpoint": {"ignore_keys", "trusted", "node_local", "reshard"},
     "finalize_checkpoint": {"timeout_s"},
     "has_checkpoint": set(),
 }
@@ -150,7 +150,8 @@ def test_every_entry_point_refuses_s3_with_one_error(call):
     ["export", URL + "/step_1", "--output", "/tmp/never"],
     ["export", "/tmp/never_in", "--output", URL],
     ["convert-zero1", "--input_dir", URL + "/step_1", "--output_dir", "/tmp/never", "--convert_to_full"],
-], ids=["ls", "info", "verify", "export_in", "export_out", "convert"])
+    ["to-dcp", URL + "/step_1", "/tmp/never"], ["from-dcp", "/tmp/never_in", URL + "/step_1"],
+], ids=["ls", "info", "verify", "export_in", "export_out", "convert", "to_dcp", "from_dcp"])
 def test_every_tool_refuses_s3_with_one_error(argv, capsys):
     assert cli_main(argv) == 1
     err = capsys.readouterr().err
