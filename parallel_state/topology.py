@@ -24,7 +24,9 @@ Layouts (NxD's ``initialize_model_parallel`` picks one; ``layout=`` names it her
     other rows 1 and 2; with ``TP == local_world_size`` one group holds rows 0, 3, 1, 2 in that order. TP
     groups are listed node by node, and CP, DP and PP groups are built from that list as NxD builds them
     (consecutive TP groups, zipped position by position). Expert groups stay on the row-major grid, as in
-    NxD. Given explicitly, any ``TP`` equal to ``local_world_size`` or half of it works.
+    NxD (whose logic 2 does not support EP yet). NxD answers CP ranks from the sorted CP group, so with
+    ``CP > 1`` CP ranks do not line up with the TP groups here; file names carry no CP rank. Given explicitly,
+    any ``TP`` equal to ``local_world_size`` or half of it works.
 ``custom``
     Group lists taken as given (an initialized neuronx-distributed whose lists match no layout above).
 """
