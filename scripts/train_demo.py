@@ -8,7 +8,8 @@ Run it under torchrun, one process per rank (CPU-XLA here, NeuronCores on Trn1):
 
 What it does, as an NxD training script would:
 - a 2-layer Llama (RMSNorm, rotary embeddings, SwiGLU MLP, no biases) with transformers' parameter names,
-  whose q/k/v, gate/up and LM head are Megatron column-parallel linears and o_proj / down_proj row-parallel,
+  whose q/k/v, gate/up and LM head are Megatron column-parallel linears, o_proj / down_proj row-parallel and
+  the token embedding vocabulary-parallel (as NxD's Llama example splits them),
   with NxD's partition attributes (``tensor_model_parallel``, ``partition_dim``, ``partition_stride``);
   ``nxd-ckpt export`` of its checkpoint loads with transformers' ``LlamaForCausalLM`` (``llama_config``);
 - pipeline stages (``--pp``): the first stage holds the embeddings, the last the final norm and LM head, each a
@@ -77,6 +78,8 @@ def parse_args(argv=None):
     p.add_argument("--crash-write-delay", type=float, default=2.0,
                    help="seconds each file write of the crash step's save is held back (keeps it in flight)")
     p.add_argument("--dump-final", default=None, help="each rank writes its final model+optimizer state to FILE.rank<r>.pt")
+    p.add_argument("--init-model", default=None, metavar="TAG_DIR",
+                   help="start from the model weights of this tag (model only; e.g. `nxd-ckpt import` output)")
     p.add_argument("--dump-loaded", default=None,
                    help="right after resuming, each rank writes its loaded model+optimizer state to FILE.rank<r>.pt")
     p.add_argument("--dump-logits", default=None,
@@ -205,6 +208,25 @@ class RowParallelLinear(torch.nn.Module):
         return _ReduceFromTP.apply(F.linear(x, self.weight))
 
 
+class ParallelEmbedding(torch.nn.Module):
+    """NxD's vocabulary-parallel embedding: each TP rank holds a contiguous slice of the rows (partition_dim 0),
+    looks up the tokens in its range, and the partial results are summed over TP."""
+
+    def __init__(self, vocab, hidden, gen, device):
+        super().__init__()
+        assert vocab % TP.size == 0, f"vocabulary {vocab} does not split over TP={TP.size}"
+        self.weight = _param(torch.randn(vocab, hidden, generator=gen) * 0.02, device, 0)
+        self.per = vocab // TP.size
+
+    def forward(self, ids):
+        if TP.size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - TP.rank * self.per
+        inside = (local >= 0) & (local < self.per)
+        out = F.embedding(torch.where(inside, local, torch.zeros_like(local)), self.weight)
+        return _ReduceFromTP.apply(out * inside.unsqueeze(-1).to(out.dtype))
+
+
 class RMSNorm(torch.nn.Module):
     """Llama's RMSNorm, computed as transformers' LlamaRMSNorm does (in float32, weight applied last)."""
 
@@ -303,12 +325,11 @@ class LlamaBody(torch.nn.Module):
 
     def __init__(self, cfg, gen, device, first, last, layer_ids):
         super().__init__()
-        embed = _param(torch.randn(cfg.vocab, cfg.hidden, generator=gen) * 0.02, device)
+        embed = ParallelEmbedding(cfg.vocab, cfg.hidden, gen, device)
         layers = [DecoderLayer(cfg, gen, device) for _ in range(cfg.layers)]   # every layer: same RNG draws at any PP
         norm = RMSNorm(cfg.hidden, cfg.rms_eps, device)
         if first:
-            self.embed_tokens = torch.nn.Module()
-            self.embed_tokens.weight = embed
+            self.embed_tokens = embed
         self.layers = torch.nn.ModuleDict({str(i): layers[i] for i in layer_ids})
         if last:
             self.norm = norm
@@ -340,7 +361,7 @@ class TinyLM(torch.nn.Module):
         """First stage: token ids in; last stage: logits out; in between: activations."""
         t = x.shape[1]
         if self.first:
-            x = F.embedding(x, self.model.embed_tokens.weight)
+            x = self.model.embed_tokens(x)
         for layer in self.model.layers.values():
             x = layer(x, self.mask[:t, :t], self.rope_cos[:t], self.rope_sin[:t])
         return self.lm_head(self.model.norm(x)) if self.last else x
@@ -550,6 +571,11 @@ def main(argv=None):
 
     device = torch_xla.device()
     model = TinyLM(args, device)
+    if args.init_model:   # weights only (e.g. an `nxd-ckpt import` of a Hugging Face model), resharded as needed
+        tagdir = os.path.abspath(args.init_model)
+        nxd_ckpt.load_checkpoint(os.path.dirname(tagdir), os.path.basename(tagdir), model=model)
+        torch_xla.sync()
+        say(f"model weights from {tagdir}")
     params = list(model.parameters())
     if args.zero1:
         opt = ZeroOneAdam(params, lr=args.lr, dp_group=dp_group, dp_rank=dp_rank, dp_size=dp_size)

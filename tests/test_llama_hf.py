@@ -56,3 +56,30 @@ def test_export_of_tp2_demo_checkpoint_loads_in_transformers_with_equal_logits(t
     with torch.no_grad():
         logits = model(ref["tokens"]).logits
     torch.testing.assert_close(logits, ref["logits"], rtol=1e-4, atol=1e-5)
+
+
+def test_import_of_save_pretrained_checkpoint_gives_the_demo_the_same_logits(tmp_path):
+    """A LlamaForCausalLM written by save_pretrained, brought in with `nxd-ckpt import --tp 2 --preset llama`, loads
+    into the demo at TP=2 (and, resharded on load, at TP=1 x PP=2); its logits equal transformers'."""
+    import train_demo
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from nxd_ckpt.cli import main
+
+    argv = [a for a in MODEL if a != "--zero1"]
+    args = train_demo.parse_args(argv + ["--ckpt-dir", str(tmp_path)])
+    torch.manual_seed(3)
+    hf_model = LlamaForCausalLM(LlamaConfig(**train_demo.llama_config(args))).eval()
+    hf_model.save_pretrained(str(tmp_path / "hf"))
+    assert main(["import", str(tmp_path / "hf"), str(tmp_path / "imported" / "tag"), "--tp", "2",
+                 "--preset", "llama"]) == 0
+    for sizes in (["--tp", "2"], ["--tp", "1", "--pp", "2"]):
+        dump = tmp_path / f"logits{'_'.join(sizes)}.pt"
+        run_ranks(_demo_rank, 2, argv + sizes + ["--steps", "0", "--ckpt-every", "0", "--no-resume",
+                                                 "--ckpt-dir", str(tmp_path / "unused"),
+                                                 "--init-model", str(tmp_path / "imported" / "tag"),
+                                                 "--dump-logits", str(dump)], timeout=150)
+        ref = torch.load(dump, weights_only=True)
+        with torch.no_grad():
+            logits = hf_model(ref["tokens"]).logits
+        torch.testing.assert_close(ref["logits"], logits, rtol=1e-4, atol=1e-5)

@@ -177,3 +177,62 @@ def test_copy_tp_overlap_rebuilds_every_new_shard(length, stride, src_tp, dst_tp
         for r in range(src_tp):
             copy_tp_overlap(got, src[r], part, src_tp, r, dst_tp, t)
         _assert_bits(got, want, f"shard {t}")
+
+
+# --- a plain (replicated) optimizer: its per-parameter state follows the parameter -------------------------
+class _TPModel(torch.nn.Module):
+    """TP rank ``tp_rank`` of ``tp``'s shard of one full model (seeded): col (16, 8) split along dim 0 with
+    stride 2, row (8, 16) along dim 1, norm (8) replicated."""
+
+    def __init__(self, tp_rank: int, tp: int):
+        super().__init__()
+        g = torch.Generator().manual_seed(11)
+        full = {"col": torch.randn(16, 8, generator=g), "row": torch.randn(8, 16, generator=g), "norm": torch.randn(8, generator=g)}
+        self.parts = {"col": Partition(0, 2), "row": Partition(1), "norm": None}
+        for k, v in full.items():
+            p = torch.nn.Parameter(split_tp(v, self.parts[k], tp, tp_rank).clone())
+            if self.parts[k] is not None:
+                p.tensor_model_parallel, p.partition_dim, p.partition_stride = True, self.parts[k].dim, self.parts[k].stride
+            setattr(self, k, p)
+
+    def step(self, opt, tp_rank: int, tp: int) -> None:
+        """One Adam step with gradients that are the TP split of one full (seeded) gradient."""
+        g = torch.Generator().manual_seed(12)
+        for k, p in self.named_parameters():
+            full = torch.randn(p.shape[0] * (tp if k == "col" else 1), p.shape[-1] * (tp if k == "row" else 1),
+                               generator=g) if p.dim() == 2 else torch.randn(p.shape, generator=g)
+            p.grad = split_tp(full, self.parts[k], tp, tp_rank).clone()
+        opt.step()
+
+
+def _save_plain_tp2(rank, world, root):
+    import parallel_state as ps
+
+    import nxd_ckpt
+
+    ps.initialize_model_parallel(tensor_model_parallel_size=2)
+    t = ps.get_tensor_model_parallel_rank()
+    model = _TPModel(t, 2)
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    model.step(opt, t, 2)
+    nxd_ckpt.save_checkpoint(root, "s", model=model, optimizer=opt)
+    return True
+
+
+def test_plain_adam_state_follows_its_parameter_tp2_to_tp1(tmp_path):
+    import nxd_ckpt
+
+    root = str(tmp_path / "ckpt")
+    run_ranks(_save_plain_tp2, 2, root, timeout=120)
+    ref = _TPModel(0, 1)
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=0.1)
+    ref.step(ref_opt, 0, 1)                     # the same step on the full model (Adam is elementwise)
+    model = _TPModel(0, 1)
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    nxd_ckpt.load_checkpoint(root, "s", model=model, optimizer=opt)
+    for (k, p), q in zip(model.named_parameters(), ref.parameters()):
+        _assert_bits(p.data, q.data, k)
+        for f in ("exp_avg", "exp_avg_sq"):
+            _assert_bits(opt.state[p][f], ref_opt.state[q][f], f"{k} {f}")
+        assert float(opt.state[p]["step"]) == 1.0
+    assert opt.param_groups[0]["lr"] == 0.1
