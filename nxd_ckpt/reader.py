@@ -79,11 +79,14 @@ class FileReader:
         return self.parse_pickle(relpath, self.read(relpath))
 
     def parse_pickle(self, relpath: str, data):
-        """Unpickle ``data`` (the verified bytes of ``relpath``, or a readable view of them) safely unless
-        the reader is trusted."""
-        src = data if hasattr(data, "readinto") else io.BytesIO(data)
+        """Unpickle ``data`` (the verified bytes of ``relpath``, a readable view of them, or a uint8 tensor
+        holding them, whose storage the tensors of the result then share) safely unless the reader is trusted."""
+        name = f"{self.tag}/{relpath}"
         try:
-            return xser.load_refs(src, trusted=self.trusted, name=f"{self.tag}/{relpath}")
+            if isinstance(data, torch.Tensor):   # bytes received from another rank, used in place
+                return xser.load_pickle_in_place(data, trusted=self.trusted, name=name)
+            src = data if hasattr(data, "readinto") else io.BytesIO(data)
+            return xser.load_refs(src, trusted=self.trusted, name=name)
         except xser.UnsafeCheckpointError as exc:
             raise UnsafeCheckpointError(str(exc)) from None
         except xser.XserError as exc:
@@ -277,36 +280,7 @@ def _share_raw(shard: ShardRead, group) -> None:
         body = torch.empty(int(size.item()), dtype=torch.uint8)
     hostgroups.broadcast_tensor(body, shard.raw_owner, group)
     if shard.ref_data is None:
-        shard.ref_data = shard.parse(_ViewReader(body.numpy()))   # unpickled straight from the received bytes
-
-
-class _ViewReader(io.RawIOBase):
-    """A read-only, seekable file over a buffer, without copying it (io.BytesIO would)."""
-
-    def __init__(self, buffer):
-        super().__init__()
-        self._view = memoryview(buffer).cast("B")
-        self._pos = 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: len(self._view)}[whence]
-        self._pos = max(0, base + offset)
-        return self._pos
-
-    def readinto(self, out) -> int:
-        n = max(0, min(len(out), len(self._view) - self._pos))
-        out[:n] = self._view[self._pos:self._pos + n]
-        self._pos += n
-        return n
+        shard.ref_data = shard.parse(body)   # its tensors are views of the received bytes: 1x, not 2x
 
 
 def resolve(shard: ShardRead):

@@ -170,6 +170,70 @@ def _short(exc) -> str:
     return lines[0][:300]
 
 
+def load_pickle_in_place(buffer: torch.Tensor, *, trusted: bool = False, name: Optional[str] = None) -> Any:
+    """``load_pickle`` of a torch.save file held in ``buffer`` (a contiguous uint8 CPU tensor that owns its
+    storage), whose tensors come back as views of ``buffer``'s storage instead of copies: the file costs
+    its own size in memory, not twice that. The tensors keep the whole buffer alive and write through to it.
+
+    Uses torch's loader the way ``torch.load(mmap=True)`` does, with the buffer in place of the mapped
+    file. A legacy (non-zip) file, or a torch without that entry point, is read the ordinary way."""
+    label = name or "<buffer>"
+    src = ViewReader(buffer.numpy())
+    ser = torch.serialization
+    usable = callable(getattr(ser, "_load", None)) and callable(getattr(ser, "_open_zipfile_reader", None))
+    if (not usable or buffer.dtype != torch.uint8 or buffer.device.type != "cpu" or not buffer.is_contiguous()
+            or buffer.storage_offset() != 0 or not ser._is_zipfile(src)):
+        src.seek(0)
+        return load_pickle(src, trusted=trusted, name=label)
+    src.seek(0)
+    try:
+        with ser._open_zipfile_reader(src) as zf:
+            whole = buffer.untyped_storage()
+            if trusted:
+                return ser._load(zf, "cpu", REF_PICKLE, overall_storage=whole)
+            torch.serialization.add_safe_globals(_SAFE_ENTRIES)
+            return ser._load(zf, "cpu", torch._weights_only_unpickler, overall_storage=whole)
+    except XserError:
+        raise
+    except pickle.UnpicklingError as exc:
+        raise _classify(str(exc), label, trusted) from exc
+    except ImportError as exc:
+        raise XserError(f"{label} needs module {exc.name!r} to be unpickled; install it, or load the file "
+                        f"where it is installed", path=label) from exc
+    except (RuntimeError, EOFError, ValueError, TypeError, KeyError, IndexError, AttributeError,
+            zipfile.BadZipFile, pickle.PickleError) as exc:
+        raise _corrupt(label, _short(exc)) from exc
+
+
+class ViewReader(io.RawIOBase):
+    """A read-only, seekable file over a buffer, without copying it (io.BytesIO would)."""
+
+    def __init__(self, buffer):
+        super().__init__()
+        self._view = memoryview(buffer).cast("B")
+        self._pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: len(self._view)}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def readinto(self, out) -> int:
+        n = max(0, min(len(out), len(self._view) - self._pos))
+        out[:n] = self._view[self._pos:self._pos + n]
+        self._pos += n
+        return n
+
+
 def loads_pickle(data: bytes, **kw) -> Any:
     """``load_pickle`` of in-memory bytes."""
     return load_pickle(io.BytesIO(data), **kw)
