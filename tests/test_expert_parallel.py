@@ -314,6 +314,31 @@ def test_convert_zero1_reshards_expert_parallel_state(tmp_path, use_xser, dp_out
     assert model == sorted(os.listdir(os.path.join(src, "model")))
 
 
+def _converted_rank(rank, world, root):
+    import nxd_ckpt
+    import parallel_state as ps
+
+    ps.initialize_model_parallel(expert_model_parallel_size=2)   # 2 ranks: DP=2, EP=2, expert-DP=1
+    ep, dp = ps.get_expert_model_parallel_rank(), ps.get_data_parallel_rank()
+    model, optim = {}, {}
+    nxd_ckpt.load_checkpoint(root, "dp2", model=model, optimizer=optim)
+    assert_bit_equal(dict(_nxd_model(0), up=_nxd_model(ep)["up"]), model, "model")
+    assert_bit_equal(_ep_zero1_shard(_full_params(), dp, 2), optim, "optim")
+    return ep, dp
+
+
+def test_ep_zero1_converted_to_a_smaller_dp_loads(tmp_path):
+    from nxd_ckpt.zero1 import convert_zero1
+
+    src = str(tmp_path / "dp4")
+    os.makedirs(os.path.join(src, "model"))
+    os.makedirs(os.path.join(src, "optim"))
+    _build_ep_zero1_tag(src, 4, True)
+    root = str(tmp_path / "ckpt")
+    convert_zero1(src, os.path.join(root, "dp2"), dp_size=2)
+    assert run_ranks(_converted_rank, 2, root, timeout=180) == [(0, 0), (1, 1)]
+
+
 def test_convert_zero1_ep_refusals(tmp_path):
     from nxd_ckpt.errors import CheckpointArgumentError
     from nxd_ckpt.zero1 import Zero1FormatError, convert_zero1
