@@ -23,6 +23,7 @@ content, so ``from-dcp`` gives back the tag without partition rules.
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import json
 import os
@@ -61,10 +62,15 @@ class DcpResult:
         return dict(self.__dict__)
 
 
+@functools.lru_cache(maxsize=1)
+def _adamw_defaults() -> Tuple[Tuple[str, Any], ...]:
+    dummy = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))])
+    return tuple((k, v) for k, v in dummy.param_groups[0].items() if k != "params")
+
+
 def adamw_group(hyper: dict) -> dict:
     """A param group as ``torch.optim.AdamW`` has it (every default key), with the source's values."""
-    dummy = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))])
-    group = {k: v for k, v in dummy.param_groups[0].items() if k != "params"}
+    group = dict(_adamw_defaults())
     if "weight_decay" not in hyper:
         group["weight_decay"] = 0.0   # a plain Adam state: no decoupled weight decay
     group.update(hyper)
@@ -172,12 +178,22 @@ def _streaming_planner(loaders: Dict[str, TensorSource], bar):
 
 
 @contextlib.contextmanager
-def _quiet_dcp():
-    """DCP warns that a no-process-group save is one process (intended here) and about its own TypedStorage use."""
+def _quiet_dcp(crc32: bool = True):
+    """DCP warns that a no-process-group save is one process (intended here) and about its own TypedStorage
+    use. ``crc32=False``: torch.save skips the zip CRC-32 (most of its CPU time; nothing reads it, and our
+    manifest's CRC32C covers every byte) -- a process-wide torch setting, restored on exit."""
+    cfg = getattr(getattr(torch.utils, "serialization", None), "config", None)
+    old = cfg.save.compute_crc32 if cfg is not None else None
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
         warnings.filterwarnings("ignore", message=".*TypedStorage is deprecated.*")
-        yield
+        try:
+            if cfg is not None and not crc32:
+                cfg.save.compute_crc32 = False
+            yield
+        finally:
+            if cfg is not None:
+                cfg.save.compute_crc32 = old
 
 
 def write_dcp(state: FullState, dst: str, layout_kind: str = "plain", *, progress: Optional[bool] = None,
@@ -200,7 +216,7 @@ def write_dcp(state: FullState, dst: str, layout_kind: str = "plain", *, progres
                    desc="to-dcp")
     try:
         writer = dcp.FileSystemWriter(stage, single_file_per_rank=True, sync_files=True, thread_count=1)
-        with _quiet_dcp():
+        with _quiet_dcp(crc32=False):
             dcp.save(sd, storage_writer=writer, planner=_streaming_planner(loaders, bar), no_dist=True)
         files = sorted(os.listdir(stage))
         _seal(stage, os.path.basename(dst), files, layout_kind, state, source)

@@ -24,7 +24,7 @@ import xser
 
 from . import layout
 from .errors import CheckpointArgumentError, CheckpointError, CorruptCheckpointError
-from .partition import Partition, join_tp, zero1_unshard
+from .partition import Partition, assemble_zero1, copy_into_blocks, tp_block_views
 from .verify import CheckedReader, load_manifest_file
 
 MOMENTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
@@ -251,7 +251,7 @@ def _local_shape(t: TensorSource, ntp: int) -> tuple:
     return tp_shard_shape(t.shape, t.partition, ntp, t.name)
 
 
-def _leaf(reader: CheckedReader, f: _OptimFile, path: tuple):
+def _leaf(reader: CheckedReader, f: _OptimFile, path: tuple, mapped: bool = False):
     obj = f.data
     try:
         for k in path:
@@ -260,7 +260,8 @@ def _leaf(reader: CheckedReader, f: _OptimFile, path: tuple):
         raise CorruptCheckpointError(f"{reader.path(f.rel)} lacks {'/'.join(map(str, path))}: the files do not come "
                                      "from one save") from None
     if xser.is_ref(obj):
-        return reader.tensor(layout.tensor_path(f.rel, obj.tid))
+        rel = layout.tensor_path(f.rel, obj.tid)
+        return reader.tensor_mapped(rel) if mapped else reader.tensor(rel)
     return obj
 
 
@@ -285,18 +286,28 @@ def _param_state(reader: CheckedReader, per_tp: List[List[_OptimFile]], i: int, 
 
 def _joined(reader: CheckedReader, per_tp: List[List[_OptimFile]], path: tuple, param: TensorSource, zero1: bool,
             label: str) -> TensorSource:
-    """A state tensor of one parameter: ZeRO-1 pieces joined over DP per TP rank, then TP shards joined."""
+    """A state tensor of one parameter: ZeRO-1 pieces joined over DP per TP rank, then TP shards joined.
+    Assembled in place in the full tensor, one input piece in memory at a time (about 1.x full tensors)."""
     local = _local_shape(param, len(per_tp))
-    head = _leaf_meta(reader, per_tp[0][0], path)
+    dtype = _leaf_meta(reader, per_tp[0][0], path)
 
     def load():
-        shards = []
-        for files in per_tp:
-            pieces = [_leaf(reader, f, path) for f in files]
-            shards.append(zero1_unshard(pieces, local, label) if zero1 else pieces[0])
-        return join_tp(shards, param.partition, label)
+        full = torch.empty(tuple(param.shape), dtype=dtype)
+        for r, files in enumerate(per_tp):
+            blocks = tp_block_views(full, param.partition, len(per_tp), r, label)
+            if not blocks:      # replicated: TP rank 0's copy is the tensor
+                continue
+            if not zero1:
+                copy_into_blocks(_leaf(reader, files[0], path, mapped=True), blocks, param.partition, label)
+                continue
+            direct = blocks[0] if len(blocks) == 1 and blocks[0].is_contiguous() else None
+            shard = assemble_zero1(lambda d, files=files: _leaf(reader, files[d], path, mapped=True), len(files),
+                                   local, direct, label)
+            if direct is None:
+                copy_into_blocks(shard, blocks, param.partition, label)
+        return full
 
-    return TensorSource(label, tuple(param.shape), head, param.partition, load)
+    return TensorSource(label, tuple(param.shape), dtype, param.partition, load)
 
 
 def _leaf_meta(reader: CheckedReader, f: _OptimFile, path: tuple) -> torch.dtype:

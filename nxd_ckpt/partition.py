@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -114,6 +114,38 @@ def split_tp(full: torch.Tensor, part: Optional[Partition], tp: int, rank: int, 
     return blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=part.dim)
 
 
+def tp_block_views(full: torch.Tensor, part: Optional[Partition], tp: int, rank: int,
+                   name: str = "tensor") -> List[torch.Tensor]:
+    """Views of ``full`` holding TP rank ``rank``'s shard, block by block (one view unless strided): write a
+    shard into them to assemble the full tensor in place. A replicated tensor: rank 0 gets the whole
+    tensor, the others nothing."""
+    if part is None or tp == 1:
+        return [full] if rank == 0 else []
+    tp_shard_shape(full.shape, part, tp, name)
+    part = part.normalised(full.dim(), name)
+    blk = full.shape[part.dim] // (tp * part.stride)
+    return [full.narrow(part.dim, (k * tp + rank) * blk, blk) for k in range(part.stride)]
+
+
+def copy_into_blocks(shard: torch.Tensor, blocks: Sequence[torch.Tensor], part: Optional[Partition],
+                     name: str = "tensor") -> None:
+    """Copy one TP shard into the views ``tp_block_views`` gave (the inverse of ``split_tp``)."""
+    if not blocks:
+        return
+    if len(blocks) == 1:
+        if tuple(shard.shape) != tuple(blocks[0].shape):
+            raise PartitionError(f"{name}: a TP shard is {tuple(shard.shape)}, expected {tuple(blocks[0].shape)}")
+        blocks[0].copy_(shard)
+        return
+    dim = part.normalised(shard.dim(), name).dim
+    per = blocks[0].shape[dim]
+    if shard.shape[dim] != per * len(blocks):
+        raise PartitionError(f"{name}: a TP shard has {shard.shape[dim]} rows along dim {dim}, expected "
+                             f"{per * len(blocks)}")
+    for k, b in enumerate(blocks):
+        b.copy_(shard.narrow(dim, k * per, per))
+
+
 def split_tp_all(full: torch.Tensor, part: Optional[Partition], tp: int, name: str = "tensor") -> List[torch.Tensor]:
     return [split_tp(full, part, tp, r, name) for r in range(tp)]
 
@@ -190,6 +222,29 @@ def zero1_unshard(pieces: Sequence[torch.Tensor], shape: Sequence[int], name: st
     rows = shape[0] if shape else 1
     full = pieces[0] if len(pieces) == 1 else torch.cat(list(pieces), dim=0)
     return full[:rows].reshape(shape)
+
+
+def assemble_zero1(load: Callable[[int], torch.Tensor], group: int, shape: Sequence[int],
+                   out: Optional[torch.Tensor] = None, name: str = "tensor") -> torch.Tensor:
+    """The (TP-local) tensor of ``shape`` from its ZeRO-1 pieces ``load(d)``, d = 0..group-1, loaded one at a
+    time and copied without their padding into ``out`` (a contiguous tensor of ``shape``; new when None)."""
+    shape = tuple(int(d) for d in shape)
+    rows, tail = rows_tail(shape)
+    want = zero1_piece_shape(shape, group)
+    per = want[0]
+    flat = None
+    for d in range(group):
+        piece = load(d)
+        if tuple(piece.shape) != want:
+            raise PartitionError(f"{name}: ZeRO-1 piece {d} is {tuple(piece.shape)}; a {shape} tensor over {group} DP "
+                                 f"ranks has pieces of {want}")
+        if flat is None:
+            out = torch.empty(shape, dtype=piece.dtype) if out is None else out
+            flat = out.view(rows, *tail)
+        a, b = min(d * per, rows), min((d + 1) * per, rows)
+        flat[a:b].copy_(piece[:b - a])
+        del piece
+    return out
 
 
 # --- pipeline stages ------------------------------------------------------------------------------------

@@ -81,3 +81,24 @@ def test_stage_assignment_follows_layers():
                                        "blocks.3.w": 1, "ln_f.weight": 1, "lm_head.weight": 1}
     with pytest.raises(PartitionError, match="4 layers, which do not split into PP=3"):
         assign_stages(names, 3)
+
+
+@settings(max_examples=30, deadline=None)
+@given(tp=st.sampled_from([1, 2, 4]), stride=st.sampled_from([1, 2]), dim=st.sampled_from([0, 1]),
+       dp=st.integers(1, 3), replicated=st.booleans())
+def test_assembling_in_place_inverts_split(tp, stride, dim, dp, replicated):
+    """tp_block_views + copy_into_blocks / assemble_zero1 (ZeRO-1 pieces per TP shard) rebuild the tensor."""
+    from nxd_ckpt.partition import assemble_zero1, copy_into_blocks, tp_block_views
+
+    full = torch.randn(2 * tp * stride + (0 if dim else 0), 2 * tp * stride)
+    part = None if replicated else Partition(dim, stride)
+    for via_zero1 in (False, True):
+        out = torch.full_like(full, float("nan"))
+        for r in range(tp):
+            shard = split_tp(full, part, tp, r).contiguous()
+            blocks = tp_block_views(out, part, tp, r)
+            if via_zero1 and blocks:
+                pieces = zero1_shard_all(shard, dp)
+                shard = assemble_zero1(lambda d: pieces[d], dp, shard.shape)
+            copy_into_blocks(shard, blocks, part)
+        assert_bit_equal(out, full)
