@@ -142,8 +142,9 @@ def read_tag(tagdir: str, *, partitions: Sequence[str] = (), trusted: bool = Fal
     tagdir = check_tag_dir(tagdir)
     manifest = load_manifest_file(tagdir)
     reader = CheckedReader(tagdir, manifest, trusted)
-    outs, shards, _skipped = plan_export(tagdir, [parse_partition(p) for p in partitions], None, trusted)
-    model = [TensorSource(o.key, tuple(o.shape), o.src_dtype, Partition(*o.partition) if o.partition else None,
+    rules = [parse_partition(p) for p in partitions]
+    outs, shards, _skipped = plan_export(tagdir, rules, None, trusted)
+    model = [TensorSource(o.key, tuple(o.shape), o.src_dtype, _recorded_partition(o, rules),
                           lambda o=o: _materialise(o, shards)) for o in outs]
     stage_keys = {pp: list(shards[(0, pp)].flat) for (tp, pp) in shards if tp == 0}
     state = FullState(model, topology=dict((manifest or {}).get("topology", {})))
@@ -153,6 +154,20 @@ def read_tag(tagdir: str, *, partitions: Sequence[str] = (), trusted: bool = Fal
     state.scheduler = _small(reader, tagdir, layout.SCHEDULER_FILE)
     state.user_content = _small(reader, tagdir, layout.USER_CONTENT_FILE)
     return state
+
+
+def _recorded_partition(out, rules) -> Optional[Partition]:
+    """The partition of an exported tensor: a --partition rule, else as recorded -- also at TP=1, where the
+    join needs none but a later split does."""
+    part = rule_partition(out.key, rules)
+    if part is not None:
+        return part
+    if out.partition:
+        return Partition(*out.partition)
+    for leaves in out.stages.values():
+        if leaves[0].partition:
+            return Partition(*leaves[0].partition)
+    return None
 
 
 def _small(reader: CheckedReader, tagdir: str, name: str):

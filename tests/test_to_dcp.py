@@ -152,3 +152,40 @@ def test_torchtitan_layout_keys(xla_run, tmp_path):
     assert main(["from-dcp", str(out), str(back), "--tp", "2", "--dp", "2", "--zero1"]) == 0
     for n in ("dp_rank_01_tp_rank_01_pp_rank_00.pt",):
         assert_bit_equal(xser.load(str(back / "optim" / n)), xser.load(str(tag / "optim" / n)), n)
+
+
+def _pad_chunk(full, rank, size):
+    """ZeRO-1 piece ``rank`` of ``full`` (DESIGN 2.4), written out here independently of nxd_ckpt."""
+    flat = full.reshape(full.shape[0] if full.dim() else 1, *full.shape[1:])
+    per = -(-flat.shape[0] // size)
+    padded = torch.cat([flat, flat.new_zeros((per * size - flat.shape[0], *flat.shape[1:]))])
+    return padded[rank * per:(rank + 1) * per]
+
+
+@pytest.mark.slow
+def test_reshard_offline_then_load_checkpoint_at_new_sizes(xla_run, tmp_path):
+    """`reshard` TP=2 x DP=2 -> TP=1 x DP=4: the demo resumes from it with load_checkpoint at the new sizes, and
+    every parameter, Adam moment and master-weight piece equals the XLA run's full state split at DP=4."""
+    from nxd_ckpt.cli import main
+
+    tag, _ = xla_run
+    ckpt = tmp_path / "ckpt"
+    assert main(["reshard", str(tag), str(ckpt / f"step_{SAVE_AT}"), "--tp", "1", "--dp", "4"]) == 0
+    man = json.loads((ckpt / f"step_{SAVE_AT}" / "manifest.json").read_text())
+    assert (man["topology"]["tp"], man["topology"]["dp"], man["zero1"]) == (1, 4, True)
+    run_ranks(_xla_rank, 4, ["--zero1", "--tp", "1", *MODEL, "--steps", str(SAVE_AT), "--ckpt-every", "0",
+                             "--ckpt-dir", str(ckpt), "--out", str(tmp_path / "r.json"),
+                             "--dump-final", str(tmp_path / "loaded")], timeout=240)
+    assert json.loads((tmp_path / "r.json").read_text())["resumed_from"] == f"step_{SAVE_AT}"
+    ref_model, ref_optim = full_reference(tag)
+    names = list(ref_model)
+    for r in range(4):
+        got = torch.load(f"{tmp_path / 'loaded'}.rank{r}.pt", weights_only=True)
+        assert_bit_equal(got["model"], ref_model, f"rank{r}/model")
+        for i, name in enumerate(names):
+            st = got["optim"]["base_state"][i]
+            assert_bit_equal(st["step"], ref_optim[name]["step"], f"rank{r}/{name}/step")
+            for k in ("exp_avg", "exp_avg_sq"):
+                assert_bit_equal(st[k], _pad_chunk(ref_optim[name][k], r, 4), f"rank{r}/{name}/{k}")
+            assert_bit_equal(got["optim"]["sharded_master_weights"][i], _pad_chunk(ref_model[name], r, 4),
+                             f"rank{r}/{name}/master")
