@@ -90,6 +90,18 @@ def read_hf(hf_dir: str, rules: Sequence[Tuple[str, int, int]]) -> FullState:
     return FullState(model)
 
 
+def return_freed_memory() -> None:
+    """Have glibc hand every large freed buffer back to the system at once: converters allocate and free one
+    full tensor after another, and glibc's adaptive mmap threshold would otherwise keep them on the heap,
+    so the process's RSS would grow with the checkpoint instead of staying near one tensor. No-op elsewhere."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 20)   # M_MMAP_THRESHOLD: fixed at 1 MiB
+    except (OSError, AttributeError):
+        pass
+
+
 # --- checks shared by the commands -----------------------------------------------------------------
 def check_rules(state: FullState, rules: Sequence[Tuple[str, int, int]], specs: Sequence[str], tp: int,
                 recorded: bool, flag_src: str) -> None:
@@ -131,6 +143,7 @@ def _finish(command: str, dst: str, t0: float, res) -> ConvertSummary:
 # --- commands --------------------------------------------------------------------------------------
 def import_hf(args) -> ConvertSummary:
     t0 = time.monotonic()
+    return_freed_memory()
     rules = partition_rules(args.partition, args.preset)
     dst = check_output_dir(args.hf_dir, args.dst, flag="DST_TAG", example="ckpts/imported", overwrite=args.overwrite)
     state = read_hf(args.hf_dir, rules)
@@ -157,6 +170,7 @@ def _source_sizes(state: FullState, tagdir: str) -> TagSizes:
 
 def reshard(args) -> ConvertSummary:
     t0 = time.monotonic()
+    return_freed_memory()
     src = check_tag_dir(args.src)
     dst = check_output_dir(src, args.dst, flag="DST_TAG", example="ckpts/step_1000_tp4", overwrite=args.overwrite)
     state = read_tag(src, partitions=args.partition, trusted=args.trusted, optimizer=not args.no_optimizer)
@@ -171,6 +185,7 @@ def to_dcp(args) -> ConvertSummary:
     from .dcpio import write_dcp
 
     t0 = time.monotonic()
+    return_freed_memory()
     src = check_tag_dir(args.src)
     dst = check_output_dir(src, args.dst, flag="OUT_DIR", example="dcp/step_1000", overwrite=args.overwrite)
     state = read_tag(src, partitions=args.partition, trusted=args.trusted, optimizer=not args.no_optimizer)
@@ -182,6 +197,7 @@ def from_dcp(args) -> ConvertSummary:
     from .dcpio import read_dcp
 
     t0 = time.monotonic()
+    return_freed_memory()
     rules = partition_rules(args.partition, args.preset)
     dst = check_output_dir(args.src, args.dst, flag="DST_TAG", example="ckpts/from_dcp", overwrite=args.overwrite)
     state = read_dcp(args.src, rules=rules, trusted=args.trusted, optimizer=not args.no_optimizer)

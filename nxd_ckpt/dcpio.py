@@ -4,7 +4,8 @@ Writing uses torch.distributed.checkpoint's own ``FileSystemWriter`` in a no-pro
 planner that hands the writer each tensor only when it asks for it: the state dict passed to ``dcp.save``
 holds zero-stride placeholders (shape and dtype, no memory) and ``resolve_data`` loads the full tensor from
 the source, so one tensor at a time is in memory. The files are exactly what ``dcp.save`` writes
-(``.metadata`` + ``__0_0.distcp``); our ``manifest.json`` (size and CRC32C of every file) and ``done`` sit
+(``.metadata`` + one ``__0_N.distcp`` per entry: DCP's writer keeps every tensor of a file alive until the file
+is finished, so one file per entry is what bounds memory); our ``manifest.json`` (size and CRC32C of every file) and ``done`` sit
 beside them, and the directory is built under ``<out>.nxdtmp`` and renamed into place.
 
 Layouts (``--layout``):
@@ -64,8 +65,18 @@ class DcpResult:
 
 @functools.lru_cache(maxsize=1)
 def _adamw_defaults() -> Tuple[Tuple[str, Any], ...]:
-    dummy = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))])
-    return tuple((k, v) for k, v in dummy.param_groups[0].items() if k != "params")
+    """The keys and default values of an AdamW param group, from the constructors' signatures (building an
+    optimizer would import torch._dynamo: seconds and 100+ MB for a table of defaults)."""
+    import inspect
+
+    out = {}
+    for cls in (torch.optim.AdamW, torch.optim.Adam):
+        for name, prm in inspect.signature(cls.__init__).parameters.items():
+            if name not in ("self", "params") and prm.default is not inspect.Parameter.empty and name not in out:
+                out[name] = prm.default
+    if "decoupled_weight_decay" in out:
+        out["decoupled_weight_decay"] = True     # what AdamW passes to Adam
+    return tuple(out.items())
 
 
 def adamw_group(hyper: dict) -> dict:
@@ -215,7 +226,9 @@ def write_dcp(state: FullState, dst: str, layout_kind: str = "plain", *, progres
         bar = tqdm(total=sum(s.nbytes for s in loaders.values()), unit="B", unit_scale=True, unit_divisor=1024,
                    desc="to-dcp")
     try:
-        writer = dcp.FileSystemWriter(stage, single_file_per_rank=True, sync_files=True, thread_count=1)
+        # One file per tensor: DCP's writer keeps every tensor of a file alive until the file is done (it
+        # gathers them for its safetensors format), so one file for all would hold the whole state.
+        writer = dcp.FileSystemWriter(stage, single_file_per_rank=False, sync_files=True, thread_count=1)
         with _quiet_dcp(crc32=False):
             dcp.save(sd, storage_writer=writer, planner=_streaming_planner(loaders, bar), no_dist=True)
         files = sorted(os.listdir(stage))

@@ -425,16 +425,36 @@ class ExportResult:
 def export_model(tagdir: str, output: str, *, max_shard_size="5GB", dtype: Optional[str] = None,
                  partitions: Sequence[str] = (), overwrite: bool = False, trusted: bool = False,
                  progress: Optional[bool] = None) -> ExportResult:
-    """Write the merged model of tag ``tagdir`` to ``output`` as safetensors files plus an index."""
+    """Write the merged model of tag ``tagdir`` to ``output`` as safetensors files plus an index: the tag
+    read as full tensors (fullstate.read_tag, model only), written by ``write_safetensors``."""
+    from .fullstate import read_tag
+
     max_bytes = parse_size(max_shard_size)
     target = parse_dtype(dtype)
-    parts = [parse_partition(p) for p in partitions]
+    for p in partitions:
+        parse_partition(p)
     if not os.path.isdir(tagdir):
         raise CheckpointArgumentError(f"{tagdir} is not a directory; pass DIR/TAG (see `nxd-ckpt ls DIR`)")
     if not os.path.isfile(os.path.join(tagdir, layout.DONE_MARKER)):
         raise CheckpointArgumentError(f"{tagdir} has no 'done' marker: its save never finished; export a complete tag")
     dst = check_output_dir(tagdir, output, flag="--output", example="./hf_export", overwrite=overwrite)
-    outs, shards, skipped = plan_export(tagdir, parts, target, trusted)
+    state = read_tag(tagdir, partitions=partitions, trusted=trusted, optimizer=False)
+    files, total = write_safetensors(state.model, dst, max_bytes=max_bytes, dtype=target, progress=progress)
+    return ExportResult(dst, files, len(state.model), total, state.skipped,
+                        str(target).replace("torch.", "") if target else None)
+
+
+def write_safetensors(model, dst: str, *, max_bytes: int, dtype: Optional[torch.dtype] = None,
+                      progress: Optional[bool] = None) -> Tuple[List[str], int]:
+    """Sink: full tensors (fullstate.TensorSource, in order) as Hugging Face safetensors in ``dst``, one tensor
+    in memory at a time; floating-point tensors cast to ``dtype`` when given. Returns (file names, bytes)."""
+    outs, source = [], {}
+    for t in model:
+        out_dtype = dtype if (dtype is not None and t.dtype.is_floating_point) else t.dtype
+        if out_dtype not in _ST_DTYPES:
+            raise ExportError(f"{t.name!r} has dtype {out_dtype}, which safetensors cannot store; pass --dtype")
+        outs.append(OutTensor(t.name, shape=tuple(t.shape), dtype=out_dtype, src_dtype=t.dtype))
+        source[t.name] = t
     groups = split_files(outs, max_bytes)
     n = len(groups)
     names = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
@@ -455,7 +475,7 @@ def export_model(tagdir: str, output: str, *, max_shard_size="5GB", dtype: Optio
             def produce(f, group=group, header=header):
                 f.write(header)
                 for o in group:
-                    t = _materialise(o, shards)
+                    t = source[o.key].checked().to(o.dtype).contiguous()
                     f.write(_tensor_bytes(t))
                     if bar is not None:
                         bar.update(o.nbytes)
@@ -475,8 +495,7 @@ def export_model(tagdir: str, output: str, *, max_shard_size="5GB", dtype: Optio
     finally:
         if bar is not None:
             bar.close()
-    files = names + (["model.safetensors.index.json"] if n > 1 else [])
-    return ExportResult(dst, files, len(outs), total, skipped, str(target).replace("torch.", "") if target else None)
+    return names + (["model.safetensors.index.json"] if n > 1 else []), total
 
 
 def add_arguments(p) -> None:

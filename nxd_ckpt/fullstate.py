@@ -84,6 +84,7 @@ class FullState:
     user_content: Any = None
     model_dtypes: Dict[str, torch.dtype] = field(default_factory=dict)   # when ``model`` holds master weights
     topology: dict = field(default_factory=dict)                         # the source's, when known
+    skipped: List[str] = field(default_factory=list)                     # non-tensor model entries left out
 
     def names(self) -> List[str]:
         return [t.name for t in self.model]
@@ -143,11 +144,11 @@ def read_tag(tagdir: str, *, partitions: Sequence[str] = (), trusted: bool = Fal
     manifest = load_manifest_file(tagdir)
     reader = CheckedReader(tagdir, manifest, trusted)
     rules = [parse_partition(p) for p in partitions]
-    outs, shards, _skipped = plan_export(tagdir, rules, None, trusted)
+    outs, shards, skipped = plan_export(tagdir, rules, None, trusted)
     model = [TensorSource(o.key, tuple(o.shape), o.src_dtype, _recorded_partition(o, rules),
                           lambda o=o: _materialise(o, shards)) for o in outs]
     stage_keys = {pp: list(shards[(0, pp)].flat) for (tp, pp) in shards if tp == 0}
-    state = FullState(model, topology=dict((manifest or {}).get("topology", {})))
+    state = FullState(model, topology=dict((manifest or {}).get("topology", {})), skipped=skipped)
     if optimizer and os.path.isdir(os.path.join(tagdir, layout.OPTIM_DIR)):
         state.optim = _read_optim(reader, tagdir, {t.name: t for t in model}, stage_keys)
         _masters_as_model(state)

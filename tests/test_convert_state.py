@@ -170,3 +170,12 @@ def test_from_dcp_errors(tmp_path, capsys):
     assert main(["from-dcp", str(tmp_path / "m"), str(tmp_path / "t"), "--tp", "2", "--partition", "*.w=1"]) == 0
     back = read_tag(str(tmp_path / "t"))
     assert_bit_equal({t.name: t.checked() for t in back.model}, model)
+
+
+def test_adamw_group_has_every_key_adamw_has():
+    from nxd_ckpt.dcpio import adamw_group
+
+    real = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=0.5).param_groups[0]
+    assert adamw_group({"lr": 0.5, "weight_decay": real["weight_decay"]}) == {k: v for k, v in real.items()
+                                                                              if k != "params"}
+    assert adamw_group({"lr": 0.5})["weight_decay"] == 0.0, "a plain Adam state has no decoupled weight decay"
