@@ -65,9 +65,15 @@ def _divisors(n: int) -> List[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+# NxD's `hardware` enum: the platform targets it treats as Trn1 and as Trn2.
+_HARDWARE = {"trn1": "trn1", "trn1n": "trn1", "inf2": "trn1", "trn2": "trn2"}
+
+
 def nxd_layout_choice(platform: Optional[str], tp: int, lnc_size: int, world_size: int) -> str:
     """The layout NxD 2.29's ``initialize_model_parallel`` uses: ``platform`` is torch-neuronx's platform
-    target ("trn1", "trn2", ...; None off Neuron hardware), ``lnc_size`` NxD's ``lnc_size`` argument."""
+    target ("trn1", "trn1n", "inf2", "trn2", ...; None off Neuron hardware), ``lnc_size`` NxD's ``lnc_size``
+    argument."""
+    platform = _HARDWARE.get(platform)
     if platform == "trn1" and tp == 4:
         return TRN1_TP4
     if platform == "trn2" and (lnc_size, tp) in ((1, 64), (2, 32)) and not (lnc_size == 2 and world_size < 64):

@@ -334,6 +334,8 @@ def test_nxd_layout_choice():
     assert nxd_layout_choice("trn2", 32, 1, 128) == "row_major"
     assert nxd_layout_choice("trn2", 4, 2, 64) == "row_major"
     assert nxd_layout_choice(None, 4, 1, 64) == "row_major"
+    assert nxd_layout_choice("trn1n", 4, 1, 64) == nxd_layout_choice("inf2", 4, 1, 32) == "trn1_tp4"
+    assert nxd_layout_choice("trn3", 4, 1, 64) == "row_major"
 
 
 @pytest.mark.parametrize("layout, lws", [("trn1_tp4", 8), ("trn1_tp4", 16), ("trn2", 4), ("trn2", 8), ("trn2", 16)])
