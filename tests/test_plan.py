@@ -32,3 +32,35 @@ def test_bins_must_be_positive():
 
     with pytest.raises(ValueError, match="bins must be >= 1"):
         assign_to_bins([1], 0)
+
+
+def test_expert_parallel_shards_write_what_nxd_puts_in_their_folders():
+    """ep_rank_00's replicas write every tensor of their file; other EP ranks only their expert tensors (the
+    non-expert ones live under ep_rank_00, layout.tensor_home); ZeRO-1 names carry the full DP rank, no ep."""
+    import torch
+
+    from nxd_ckpt import layout
+    from nxd_ckpt.plan import home_filename, optim_filename, plan_shard, replica_groups
+    from parallel_state.topology import Topology
+
+    tensors = [torch.zeros(4), torch.zeros(8), torch.zeros(2), torch.zeros(6)]
+    meta = {0: {"expert_model_parallel": True}, 1: {}, 2: {"expert_model_parallel": True}, 3: {}}
+    mine = {}
+    for ep, replicas in ((0, [0, 2]), (1, [1, 3])):
+        name = layout.shard_filename(0, 0, 0, ep)
+        for r in replicas:
+            mine[r] = plan_shard("model", name, replicas, r, b"", tensors, meta, xser=True).my_tids
+    assert sorted(mine[0] + mine[2]) == [0, 1, 2, 3] and not set(mine[0]) & set(mine[2])
+    assert sorted(mine[1] + mine[3]) == [0, 2]
+    assert layout.tensor_home("model/" + layout.shard_filename(0, 1, 0, 3), expert=False) == \
+        "model/" + layout.shard_filename(0, 1, 0, 0)
+    assert layout.tensor_home("optim/" + layout.shard_filename(3, 0, 0), expert=False) == \
+        "optim/" + layout.shard_filename(3, 0, 0)
+
+    topo = Topology(8, tp=2, ep=2)   # DP=4, EP=2, expert-DP=2
+    names = {r: optim_filename(topo, r, zero1=True) for r in range(8)}
+    assert names[7] == layout.shard_filename(3, 1, 0) and len(set(names.values())) == 8
+    plain = replica_groups(topo, lambda r: optim_filename(topo, r, zero1=False))
+    assert plain[layout.shard_filename(0, 1, 0, 1)] == [3, 7]
+    homes = replica_groups(topo, home_filename(lambda r: optim_filename(topo, r, zero1=False)))
+    assert homes[layout.shard_filename(0, 1, 0, 0)] == [1, 3, 5, 7]   # the DP group shares non-expert reads
