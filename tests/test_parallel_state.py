@@ -397,3 +397,22 @@ def test_host_groups_beside_an_initialized_nxd_on_a_non_gloo_backend():
         dp, edp = topo.group_of("dp", rank), topo.group_of("edp", rank)
         assert out["dp"] == ("gloo", dp, sum(dp))
         assert out["edp"] == ("gloo", edp, sum(edp))
+
+
+def test_layout_is_chosen_as_nxd_chooses_it(no_nxd, single_rank_world, monkeypatch):
+    from parallel_state import state
+
+    seen = []
+
+    def choice(platform, tp, lnc_size, world_size):
+        seen.append((platform, tp, lnc_size, world_size))
+        return "row_major"
+
+    monkeypatch.setattr(state, "_platform_target", lambda: "trn2")
+    monkeypatch.setattr(state, "nxd_layout_choice", choice)
+    ps.initialize_model_parallel(lnc_size=2)
+    assert seen == [("trn2", 1, 2, 1)] and ps.get_topology().layout == "row_major"
+    ps.destroy_model_parallel()
+    with pytest.raises(ValueError, match="unknown rank layout 'zigzag'"):
+        ps.initialize_model_parallel(rank_layout="zigzag")
+    assert not ps.model_parallel_is_initialized()   # refused before any group was made
