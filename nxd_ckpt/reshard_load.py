@@ -34,7 +34,7 @@ import torch
 
 import xser
 
-from . import hostgroups, layout
+from . import hostgroups, layout, masters
 from .errors import StateMismatchError, TopologyMismatchError
 from .partition import Partition, PartitionError, copy_tp_overlap, tp_overlaps, zero1_shard, zero1_unshard
 from .reader import FileReader
@@ -117,6 +117,8 @@ class Source:
     sizes: Sizes
     workers: int = 1
     inflight_bytes: int = 1 << 30
+    from_masters: bool = False     # model weights kept only as ZeRO-1 master weights (NxD's
+                                   # avoid_saving_lower_precision_weights)
     _shards: Dict[tuple, SourceShard] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -137,6 +139,14 @@ class Source:
 
     def model(self, tp: int, pp: int) -> SourceShard:
         return self.shard(layout.MODEL_DIR, 0, tp, pp)
+
+    def zero1_local(self, p: int, r: int, path: tuple, key: str) -> torch.Tensor:
+        """Saved TP rank r's (stage p) whole TP-local tensor at ``path`` of the ZeRO-1 state (e.g.
+        ``("base_state", j, "exp_avg")``), joined from its DP pieces."""
+        shards = [self.shard(layout.OPTIM_DIR, d, r, p) for d in range(self.sizes.dp)]
+        info = tuple(shards[0].ref["shape_info"][path[1]])
+        parts = [sh.load(_get(sh.ref, path)) for sh in shards]
+        return zero1_unshard(parts, info, f"{key} {'/'.join(map(str, path))}")
 
     def stage_of_keys(self) -> Dict[str, int]:
         """key -> the (first) source stage whose model shard holds it."""
@@ -251,9 +261,10 @@ class _NoPartition(StateMismatchError):
 
 
 # --- model ------------------------------------------------------------------------------------------
-def read_model(src: Source, target: Target) -> dict:
+def read_model(src: Source, target: Target, index: Dict[str, Tuple[int, int]]) -> dict:
     """This rank's new model state dict (the caller's keys that the checkpoint has). Every key that lacks
-    partition information is named in one error."""
+    partition information is named in one error. When the saved model data lies in the ZeRO-1 master weights,
+    parameters are resharded from those (``index``: key -> (stage, ZeRO-1 index))."""
     stage_of = src.stage_of_keys()
     unsplit: List[str] = []
 
@@ -261,9 +272,13 @@ def read_model(src: Source, target: Target) -> dict:
         first = src.model(0, p)
         obj = first.ref[key]
         part = _partition_of(key, first.partition(obj), target)
+        if src.from_masters and key in index:
+            j = _recorded_index(first, obj, index[key][1])
+            load = lambda r: src.zero1_local(p, r, ("sharded_master_weights", j), key)   # noqa: E731
+        else:
+            load = lambda r: src.model(r, p).load(src.model(r, p).ref[key])   # noqa: E731
         try:
-            return reshard_tensor(key, first.shape(obj), part, target.shapes[key], src.sizes.tp,
-                                  lambda r: src.model(r, p).load(src.model(r, p).ref[key]), target)
+            return reshard_tensor(key, first.shape(obj), part, target.shapes[key], src.sizes.tp, load, target)
         except _NoPartition as exc:
             unsplit.append(str(exc))
             return None
@@ -279,6 +294,15 @@ def read_model(src: Source, target: Target) -> dict:
             "(tensor_model_parallel=True, partition_dim, partition_stride; NxD's parallel layers do), or load at "
             "the saved TP size")
     return out
+
+
+def _recorded_index(shard: SourceShard, obj, default: int) -> int:
+    """The ZeRO-1 index the save recorded for a model tensor whose data lies in the master weights."""
+    if isinstance(obj, xser.TensorReference):
+        m = shard.meta.get(obj.tid) or {}
+        if masters.INDEX_META in m:
+            return int(m[masters.INDEX_META])
+    return default
 
 
 def _param_index(src: Source, target: Target) -> Dict[str, Tuple[int, int]]:
@@ -360,11 +384,7 @@ def _zero1_param(src: Source, target: Target, index, i: int, key: str, has_maste
     dst_shape = target.shapes[key]
 
     def local(path, r, p=p, key=key):
-        """Source TP rank r's whole TP-local tensor at ``path``, joined from its DP pieces."""
-        shards = [src.shard(layout.OPTIM_DIR, d, r, p) for d in range(src.sizes.dp)]
-        info = tuple(shards[0].ref["shape_info"][path[1]])
-        parts = [sh.load(_get(sh.ref, path)) for sh in shards]
-        return zero1_unshard(parts, info, f"{key} {'/'.join(map(str, path))}")
+        return src.zero1_local(p, r, path, key)
 
     info0 = tuple(src.shard(layout.OPTIM_DIR, 0, 0, p).ref["shape_info"][j])
     entry = {}
@@ -424,16 +444,18 @@ def read_resharded(reader: FileReader, manifest: Optional[dict], saved: dict, ta
     job's sizes, from a checkpoint saved at ``saved``'s sizes. No collectives (``target`` was gathered by the
     caller); raises StateMismatchError naming the keys that cannot be resharded. ``num_workers`` threads
     read and reshard tensors at once, holding at most ``inflight_bytes`` of them (beyond the new shard)."""
-    src = Source(reader, manifest, saved_sizes(saved), max(1, num_workers), inflight_bytes)
+    src = Source(reader, manifest, saved_sizes(saved), max(1, num_workers), inflight_bytes,
+                 bool(saved.get("from_masters")))
     out: Dict[str, object] = {}
+    zero1 = bool(saved.get("zero1"))
+    if (zero1 or src.from_masters) and not src.sizes.dp:
+        raise StateMismatchError(f"checkpoint {reader.tag!r}: the number of ZeRO-1 optimizer shards is unknown")
     try:
+        index = _param_index(src, target)
         if want_model:
-            out["model"] = read_model(src, target)
+            out["model"] = read_model(src, target, index)
         if optimizer is not None:
-            zero1 = bool(saved.get("zero1"))
-            if zero1 and not src.sizes.dp:
-                raise StateMismatchError(f"checkpoint {reader.tag!r}: the number of ZeRO-1 optimizer shards is unknown")
-            out["optim"] = read_optimizer(src, target, _param_index(src, target), zero1, optimizer)
+            out["optim"] = read_optimizer(src, target, index, zero1, optimizer)
     except PartitionError as exc:
         raise StateMismatchError(f"checkpoint {reader.tag!r} cannot be resharded: {exc}") from None
     return out

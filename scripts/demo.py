@@ -174,7 +174,7 @@ def main() -> int:
     ckpt_ref, ckpt, ckpt_dp1 = (os.path.join(OUT, d) for d in ("ckpt_ref", "ckpt", "ckpt_dp1"))
     j = {k: os.path.join(OUT, f"{k}.json") for k in ("run1_reference", "run2_crash", "run3_resume", "run4_dp1")}
     phases = {}
-    log(f"nxd-ckpt demo: a 2-layer transformer LM, 4 ranks (TP=2 x DP=2), ZeRO-1 Adam, {STEPS} steps, "
+    log(f"nxd-ckpt demo: a 2-layer Llama, 4 ranks (TP=2 x DP=2), ZeRO-1 Adam, {STEPS} steps, "
         f"checkpoint every {EVERY} steps; outputs in {os.path.relpath(OUT, ROOT)}/")
 
     # 1. reference --------------------------------------------------------------------------------------------

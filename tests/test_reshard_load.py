@@ -236,3 +236,43 @@ def test_plain_adam_state_follows_its_parameter_tp2_to_tp1(tmp_path):
             _assert_bits(opt.state[p][f], ref_opt.state[q][f], f"{k} {f}")
         assert float(opt.state[p]["step"]) == 1.0
     assert opt.param_groups[0]["lr"] == 0.1
+
+
+def _save_zero1_masters_only(rank, world, root):
+    """TP=2 x DP=2, ZeRO-1 with master weights, saved with avoid_saving_lower_precision_weights=True: the model's
+    data lies only in the optimizer's master weights."""
+    import parallel_state as ps
+
+    import nxd_ckpt
+    from nxd_ckpt.testing import ZeroOneAdam
+
+    ps.initialize_model_parallel(tensor_model_parallel_size=2)
+    t = ps.get_tensor_model_parallel_rank()
+    model = _TPModel(t, 2)
+    opt = ZeroOneAdam(model.parameters(), lr=0.1, dp_group=ps.get_data_parallel_host_group(),
+                      dp_rank=ps.get_data_parallel_rank(), dp_size=ps.get_data_parallel_size())
+    model.step(opt, t, 2)
+    nxd_ckpt.save_checkpoint(root, "s", model=model, optimizer=opt, zero1_optimizer=True, use_xser=True,
+                             avoid_saving_lower_precision_weights=True)
+    return True
+
+
+def test_weights_kept_as_master_weights_reshard_from_the_optimizer(tmp_path):
+    import nxd_ckpt
+    from nxd_ckpt.testing import ZeroOneAdam
+
+    root = str(tmp_path / "ckpt")
+    run_ranks(_save_zero1_masters_only, 4, root, timeout=120)
+    model_files = os.listdir(os.path.join(root, "s", "model"))
+    assert not any(f.endswith(".tensors") and os.listdir(os.path.join(root, "s", "model", f)) for f in model_files)
+    ref = _TPModel(0, 1)
+    ref_opt = ZeroOneAdam(ref.parameters(), lr=0.1)
+    ref.step(ref_opt, 0, 1)
+    model = _TPModel(0, 1)
+    opt = ZeroOneAdam(model.parameters(), lr=0.1)
+    nxd_ckpt.load_checkpoint(root, "s", model=model, optimizer=opt)
+    for i, ((k, p), q) in enumerate(zip(model.named_parameters(), ref.parameters())):
+        _assert_bits(p.data, q.data, k)
+        for f in ("exp_avg", "exp_avg_sq"):
+            _assert_bits(opt.base_state[i][f], ref_opt.base_state[i][f], f"{k} {f}")
+        _assert_bits(opt.master[i], ref_opt.master[i], f"{k} master")
