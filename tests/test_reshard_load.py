@@ -138,12 +138,17 @@ def _nxd_tp2_tag(root):
     return shards, bias
 
 
-def test_nxd_checkpoint_reshards_with_the_models_partition_attributes(tmp_path):
+def test_nxd_checkpoint_reshards_with_the_models_partition_attributes(tmp_path, caplog):
+    import logging
+
     import nxd_ckpt
 
     shards, bias = _nxd_tp2_tag(str(tmp_path))
     model = _Full(attrs=True)
-    nxd_ckpt.load_checkpoint(str(tmp_path), "nxd", model=model)
+    with caplog.at_level(logging.INFO, logger="nxd_ckpt"):
+        nxd_ckpt.load_checkpoint(str(tmp_path), "nxd", model=model)
+    # NxD's file names do not tell the DP size of a checkpoint without a ZeRO-1 optimizer
+    assert "resharding TP=2 PP=1 DP=? -> TP=1 PP=1 DP=1" in caplog.text
     _assert_bits(model.up.data, torch.cat([s["up"] for s in shards], 0), "up")
     _assert_bits(model.down.data, torch.cat([s["down"] for s in shards], 1), "down")
     _assert_bits(model.bias.data, bias, "bias")
