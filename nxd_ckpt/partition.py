@@ -247,6 +247,40 @@ def assemble_zero1(load: Callable[[int], torch.Tensor], group: int, shape: Seque
     return out
 
 
+def make_piece(r: int, load: Callable[[int], torch.Tensor], per_in: int, rows: int, tail: tuple, per_out: int,
+               dtype_of: Callable[[], torch.dtype],
+               out_buffer: Optional[Callable[[], torch.Tensor]] = None) -> torch.Tensor:
+    """Output piece ``r`` ((per_out, *tail) rows ``[r*per_out, (r+1)*per_out)`` of the padded parameter),
+    assembled from the input pieces ``load(j)`` (each (per_in, *tail)) that overlap it. ``out_buffer()``
+    gives a (per_out, *tail) tensor to assemble it in (else a new one); a piece that is exactly one input
+    piece is returned as it is."""
+    a, b = r * per_out, (r + 1) * per_out
+    end = min(b, rows)
+    parts = []
+    pos = a
+    while pos < end:
+        j = pos // per_in
+        off = pos - j * per_in
+        take = min(per_in - off, end - pos)
+        src = load(j)
+        parts.append(src if (off == 0 and take == src.shape[0]) else src[off:off + take])
+        pos += take
+    pad = b - max(a, end)
+    if len(parts) == 1 and not pad:
+        return parts[0]
+    if out_buffer is not None:
+        out = out_buffer()
+    else:
+        out = torch.empty((per_out, *tail), dtype=parts[0].dtype if parts else dtype_of())
+    row = 0
+    for p in parts:
+        out[row:row + p.shape[0]].copy_(p)
+        row += p.shape[0]
+    if pad:
+        out[row:].zero_()
+    return out
+
+
 # --- pipeline stages ------------------------------------------------------------------------------------
 _LAYER_RE = re.compile(r"(?:^|\.)(\d+)(?:\.|$)")
 
@@ -285,4 +319,4 @@ def assign_stages(names: Sequence[str], pp: int) -> Dict[str, int]:
 
 __all__ = ["Partition", "PartitionError", "join_tp", "split_tp", "split_tp_all", "tp_shard_shape", "zero1_shard",
            "zero1_shard_all", "zero1_unshard", "zero1_piece_shape", "rows_tail", "piece_rows", "merge_tp", "layer_index", "tp_overlaps", "copy_tp_overlap",
-           "assign_stages"]
+           "assign_stages", "make_piece"]

@@ -36,7 +36,8 @@ import xser
 
 from . import hostgroups, layout, masters
 from .errors import StateMismatchError, TopologyMismatchError
-from .partition import Partition, PartitionError, copy_tp_overlap, tp_overlaps, zero1_shard, zero1_unshard
+from .partition import (Partition, PartitionError, copy_tp_overlap, make_piece, piece_rows, rows_tail,
+                        tp_overlaps, zero1_shard, zero1_unshard)
 from .reader import FileReader
 from .world import World
 
@@ -382,25 +383,33 @@ def _zero1_param(src: Source, target: Target, index, i: int, key: str, has_maste
     first = src.model(0, p)
     part = _partition_of(key, first.partition(first.ref[key]), target)
     dst_shape = target.shapes[key]
-
-    def local(path, r, p=p, key=key):
-        return src.zero1_local(p, r, path, key)
-
     info0 = tuple(src.shard(layout.OPTIM_DIR, 0, 0, p).ref["shape_info"][j])
+
+    def piece(path):
+        if src.sizes.tp == target.tp:   # only DP changes: read just the saved pieces holding this rank's rows
+            return _repiece(src, p, target.tp_rank, path, key, target)
+        full = reshard_tensor(key, info0, part, dst_shape, src.sizes.tp,
+                              lambda r: src.zero1_local(p, r, path, key), target)
+        return zero1_shard(full, target.dp_rank, target.dp)
+
     entry = {}
     for name, v in src.shard(layout.OPTIM_DIR, 0, 0, p).ref["base_state"][j].items():
         if name == "step" or not isinstance(v, (torch.Tensor, xser.TensorReference)):
             entry[name] = src.shard(layout.OPTIM_DIR, 0, 0, p).load(v) if name == "step" else v
-            continue
-        full = reshard_tensor(key, info0, part, dst_shape, src.sizes.tp,
-                              lambda r, name=name: local(("base_state", j, name), r), target)
-        entry[name] = zero1_shard(full, target.dp_rank, target.dp)
-    master = None
-    if has_masters:
-        full = reshard_tensor(key, info0, part, dst_shape, src.sizes.tp,
-                              lambda r: local(("sharded_master_weights", j), r), target)
-        master = zero1_shard(full, target.dp_rank, target.dp)
+        else:
+            entry[name] = piece(("base_state", j, name))
+    master = piece(("sharded_master_weights", j)) if has_masters else None
     return entry, torch.Size(dst_shape), master
+
+
+def _repiece(src: Source, p: int, r: int, path: tuple, key: str, target: Target) -> torch.Tensor:
+    """This rank's piece of the new DP size from the saved DP pieces of TP rank r that overlap its rows."""
+    shards = [src.shard(layout.OPTIM_DIR, d, r, p) for d in range(src.sizes.dp)]
+    rows, tail = rows_tail(shards[0].ref["shape_info"][path[1]])
+    out = make_piece(target.dp_rank, lambda d: shards[d].load(_get(shards[d].ref, path)),
+                     piece_rows(rows, src.sizes.dp), rows, tail, piece_rows(rows, target.dp),
+                     lambda: shards[0].load(_get(shards[0].ref, path)).dtype)
+    return out.clone() if out.dim() and out.untyped_storage().nbytes() > out.nbytes else out
 
 
 def _get(obj, path):

@@ -31,7 +31,7 @@ import xser
 from . import commit, layout
 from .errors import CheckpointArgumentError, CheckpointError, CorruptCheckpointError
 from .outdir import check_output_dir, publish_output
-from .partition import piece_rows as _per, rows_tail as _rows_tail
+from .partition import make_piece, piece_rows as _per, rows_tail as _rows_tail
 from .storage import FileRecord, LocalStorage
 from .verify import CheckedReader, file_crc32c, load_manifest_file
 
@@ -145,38 +145,6 @@ def build_template(state, where: str) -> Tuple[Any, List[Slot], Dict[Any, tuple]
 
 
 # --- the row arithmetic ------------------------------------------------------------------------------
-def make_piece(r: int, load: Callable[[int], torch.Tensor], per_in: int, rows: int, tail: tuple, per_out: int,
-               dtype_of: Callable[[], torch.dtype],
-               out_buffer: Optional[Callable[[], torch.Tensor]] = None) -> torch.Tensor:
-    """Output piece ``r`` ((per_out, *tail) rows ``[r*per_out, (r+1)*per_out)`` of the padded parameter),
-    assembled from the input pieces ``load(j)`` (each (per_in, *tail)) that overlap it. ``out_buffer()``
-    gives a (per_out, *tail) tensor to assemble it in (else a new one); a piece that is exactly one input
-    piece is returned as it is."""
-    a, b = r * per_out, (r + 1) * per_out
-    end = min(b, rows)
-    parts = []
-    pos = a
-    while pos < end:
-        j = pos // per_in
-        off = pos - j * per_in
-        take = min(per_in - off, end - pos)
-        src = load(j)
-        parts.append(src if (off == 0 and take == src.shape[0]) else src[off:off + take])
-        pos += take
-    pad = b - max(a, end)
-    if len(parts) == 1 and not pad:
-        return parts[0]
-    if out_buffer is not None:
-        out = out_buffer()
-    else:
-        out = torch.empty((per_out, *tail), dtype=parts[0].dtype if parts else dtype_of())
-    row = 0
-    for p in parts:
-        out[row:row + p.shape[0]].copy_(p)
-        row += p.shape[0]
-    if pad:
-        out[row:].zero_()
-    return out
 
 
 @dataclass
