@@ -48,7 +48,7 @@ def save_checkpoint(checkpoint_dir_str, tag, model=None, optimizer=None, schedul
     world = current_world()
     storage = open_storage(root)
     plan = build_plan(world, model, optimizer, scheduler, user_content, use_xser, zero1_optimizer,
-                      avoid_saving_lower_precision_weights)
+                      avoid_saving_lower_precision_weights, use_zero1_dcp)
     job = engine.start_job(world, storage, tag, plan, num_kept_ckpts, num_workers, timeout_s,
                            host_memory_budget, called_at)
     engine.snapshot(job, plan, on_device=device_snapshot, timeout_s=timeout_s)

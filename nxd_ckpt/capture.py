@@ -13,10 +13,10 @@ import torch
 
 import xser
 
-from . import layout, masters
+from . import layout, masters, zero1_dcp
 from .errors import CheckpointArgumentError
 from .storage import check_location
-from .plan import SavePlan, model_filename, optim_filename, partition_info, plan_shard, replica_groups
+from .plan import DcpPart, SavePlan, model_filename, optim_filename, partition_info, plan_shard, replica_groups
 from .world import World
 
 log = logging.getLogger("nxd_ckpt")
@@ -121,7 +121,8 @@ def info_bytes(tensors: List[torch.Tensor], meta: Dict[int, dict]) -> bytes:
 
 
 def build_plan(world: World, model, optimizer, scheduler, user_content, use_xser: bool,
-               zero1_optimizer: bool, avoid_saving_lower_precision_weights: bool = False) -> SavePlan:
+               zero1_optimizer: bool, avoid_saving_lower_precision_weights: bool = False,
+               use_zero1_dcp: bool = False) -> SavePlan:
     """This rank's SavePlan. Every rank calls it with its own state; no communication."""
     topo = world.topology
     shards = []
@@ -133,7 +134,10 @@ def build_plan(world: World, model, optimizer, scheduler, user_content, use_xser
             from_masters = _master_keys(model, optimizer, sd, osd, zero1, use_xser, topo.ep)
         shards.append(_shard(world, layout.MODEL_DIR, sd, attrs, lambda r: model_filename(topo, r), use_xser,
                              from_masters))
-    if optimizer is not None:
+    dcp = None
+    if optimizer is not None and use_zero1_dcp and zero1:
+        dcp = _dcp_part(world, model, optimizer, osd)
+    elif optimizer is not None:
         shards.append(_shard(world, layout.OPTIM_DIR, osd, expert,
                              lambda r: optim_filename(topo, r, zero1), use_xser))
     small: Dict[str, bytes] = {}
@@ -143,7 +147,19 @@ def build_plan(world: World, model, optimizer, scheduler, user_content, use_xser
         if user_content is not None:
             small[layout.USER_CONTENT_FILE] = pickle_bytes(user_content)
     return SavePlan(shards, small, topo, zero1, use_xser, model is not None, optimizer is not None,
-                    bool(from_masters))
+                    bool(from_masters), dcp)
+
+
+def _dcp_part(world: World, model, optimizer, osd: dict) -> DcpPart:
+    """use_zero1_dcp=True: this rank's entries of NxD's DCP optimizer layout (zero1_dcp.py)."""
+    topo = world.topology
+    if topo.ep > 1:
+        raise CheckpointArgumentError("use_zero1_dcp=True with expert parallelism (EP > 1) is not supported; "
+                                      "pass use_zero1_dcp=False")
+    c = topo.coords(world.rank)
+    coords = zero1_dcp.Coords(c.pp, c.tp, c.dp, topo.pp, topo.tp, topo.dp)
+    items = zero1_dcp.plan_items(osd, zero1_dcp.param_names(model, optimizer), coords)
+    return DcpPart(f"{layout.OPTIM_DIR}/{zero1_dcp.data_filename(world.rank)}", items)
 
 
 def _master_keys(model, optimizer, sd: dict, osd, zero1: bool, use_xser: bool, ep: int) -> Dict[str, int]:
@@ -234,7 +250,4 @@ def validate_save_args(checkpoint_dir_str, tag, model, optimizer, scheduler, num
         if not async_save:
             raise CheckpointArgumentError(
                 "use_zero1_dcp=True with a ZeRO-1 optimizer needs async_save=True (as in neuronx-distributed)")
-        raise CheckpointArgumentError(
-            "use_zero1_dcp=True (the ZeRO-1 state as a torch.distributed.checkpoint under optim/) is not implemented "
-            "by nxd-ckpt yet; pass use_zero1_dcp=False to save the ZeRO-1 state in NxD's per-DP-rank files")
     return tag

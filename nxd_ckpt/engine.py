@@ -16,7 +16,7 @@ from .plan import SavePlan, tensor_nbytes
 from .staging import HostBudget, chunk_by_bytes, copy_to_host, default_host_budget, device_snapshot
 from .storage import Storage
 from .world import World
-from .writer import SaveJob, SaveRunner, bytes_task, plain_shard_task, tensor_task
+from .writer import SaveJob, SaveRunner, WriteTask, bytes_task, plain_shard_task, tensor_task
 
 log = logging.getLogger("nxd_ckpt")
 
@@ -78,7 +78,7 @@ class Engine:
 
                 job.add(bytes_task(shard.relpath, shard.ref_bytes))
                 job.add(bytes_task(layout.info_path(shard.relpath), info_bytes(shard.tensors, shard.tensor_meta)))
-        units = _units(plan)
+        units = _units(plan, job)
         if on_device:
             tensors = device_snapshot([t for u in units for t in u[1]])
             it = iter(tensors)
@@ -203,9 +203,21 @@ class Engine:
                 log.error("nxd_ckpt: checkpoint %s failed: %s", j.tag, j.error)
 
 
-def _units(plan: SavePlan):
-    """(task factory, tensors) pairs: one per xser tensor file, one per whole non-xser shard."""
+def _units(plan: SavePlan, job: SaveJob):
+    """(task factory, tensors) pairs: one per xser tensor file, one per whole non-xser shard, one for the
+    use_zero1_dcp data file (its entries' locations go into the job's report, for rank 0's .metadata)."""
     units = []
+    if plan.dcp is not None:
+        dcp = plan.dcp
+
+        def make_dcp(ts, dcp=dcp):
+            from .zero1_dcp import write_data
+
+            name = dcp.relpath.rsplit("/", 1)[1]
+            produce = lambda f: job.extra_report.__setitem__("dcp", write_data(f, dcp.items, ts, name))  # noqa: E731
+            return WriteTask(dcp.relpath, produce, sum(tensor_nbytes(t) for t in ts))
+
+        units.append((make_dcp, dcp.tensors()))
     for shard in plan.shards:
         if shard.xser:
             for tid in shard.my_tids:
@@ -241,7 +253,8 @@ def _manifest_info(world: World, plan: SavePlan) -> dict:
         "topology": {"world_size": topo.world_size, "tp": topo.tp, "pp": topo.pp, "dp": topo.dp,
                      "cp": topo.cp, "ep": topo.ep, "layout": topo.layout},
         "flags": {"zero1": plan.zero1, "xser": plan.xser, "has_model": plan.has_model,
-                  "has_optim": plan.has_optim, masters.FLAG: plan.model_from_masters},
+                  "has_optim": plan.has_optim, masters.FLAG: plan.model_from_masters,
+                  "zero1_dcp": plan.dcp is not None},
         "tensors": tensors,
     }
 

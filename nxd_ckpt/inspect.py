@@ -89,7 +89,8 @@ def tag_summary(tagdir: str, committed_at: Optional[float] = None) -> dict:
         row["format"] = "neuronx-distributed"
         topo = derived_topology(tagdir)
         row.update(tp=topo["tp"], pp=topo["pp"], dp=topo["dp"], ep=topo["ep"])
-        row["zero1"] = layout.folder_is_zero1(os.path.join(tagdir, layout.OPTIM_DIR))
+        row["zero1"] = (layout.folder_is_zero1(os.path.join(tagdir, layout.OPTIM_DIR))   # or NxD's use_zero1_dcp
+                        or os.path.isfile(os.path.join(tagdir, layout.OPTIM_DIR, layout.DCP_METADATA_FILE)))
         row["xser"] = any(layout.folder_is_xser(os.path.join(tagdir, f)) for f in (layout.MODEL_DIR, layout.OPTIM_DIR))
         for rel, full in _walk_files(tagdir):
             if rel in (layout.CHECKPOINT_MARKER, layout.DONE_MARKER) or rel.endswith(layout.TMP_SUFFIX):

@@ -79,6 +79,8 @@ def saved_topology(storage: Storage, tag: str, manifest: Optional[dict]) -> dict
         t.update(zero1=manifest["zero1"], xser=manifest["xser"])
         t["zero1_shards"] = t["dp"]
         t["from_masters"] = bool(manifest.get(masters.FLAG, False))
+        if manifest.get("zero1_dcp"):
+            t.update(zero1_dcp=True, zero1_shards=None)
         return t
     model = layout.list_shard_files(storage.path(f"{tag}/{layout.MODEL_DIR}")) if hasattr(storage, "path") else {}
     optim = layout.list_shard_files(storage.path(f"{tag}/{layout.OPTIM_DIR}")) if hasattr(storage, "path") else {}
@@ -95,6 +97,8 @@ def saved_topology(storage: Storage, tag: str, manifest: Optional[dict]) -> dict
         or layout.folder_is_xser(storage.path(f"{tag}/{layout.OPTIM_DIR}")),
         "from_masters": layout.model_data_absent(storage.path(tag)),
     }
+    if storage.exists(f"{tag}/{layout.OPTIM_DIR}/{layout.DCP_METADATA_FILE}"):
+        t.update(zero1=True, zero1_dcp=True, zero1_shards=None)
     return t
 
 
@@ -221,7 +225,8 @@ def read_tag(storage: Storage, tag: str, world: World, *, want_model: bool, want
         else:
             check_topology(tag, saved, world, want_optim)
             reader = FileReader(storage, tag, manifest, trusted, mapped=mapped)
-            state = _read_parts(reader, saved, world, want_model, want_optim, want_scheduler, num_workers, node_local)
+            state = _read_parts(reader, saved, world, want_model, want_optim, want_scheduler, num_workers, node_local,
+                                (model, optimizer))
         state["manifest"], state["saved"], state["targets"] = manifest, saved, (model, optimizer)
     except Exception as exc:  # noqa: BLE001 - every failure must be agreed on before anyone raises
         error = exc
@@ -230,6 +235,7 @@ def read_tag(storage: Storage, tag: str, world: World, *, want_model: bool, want
         return _read_resharded(storage, tag, state, world, model, optimizer, want_model, want_scheduler, trusted,
                                num_workers)
     _share(state, world)
+    agree(state.pop("share_error", None))
     return state
 
 
@@ -271,7 +277,7 @@ def copies_every_tensor(model, optimizer) -> bool:
 
 
 def _read_parts(reader: FileReader, saved: dict, world: World, want_model: bool, want_optim: bool,
-                want_scheduler: bool, num_workers: int, node_local: bool) -> dict:
+                want_scheduler: bool, num_workers: int, node_local: bool, targets: tuple = (None, None)) -> dict:
     topo = world.topology
     out: Dict[str, object] = {}
     cooperative = world.distributed and world.world_size > 1 and not node_local
@@ -282,6 +288,9 @@ def _read_parts(reader: FileReader, saved: dict, world: World, want_model: bool,
                  ("optim", layout.OPTIM_DIR, want_optim, lambda r: optim_filename(topo, r, zero1)))
         for part, folder, wanted, name_of in parts:
             if not wanted:
+                continue
+            if part == "optim" and saved.get("zero1_dcp"):
+                out["optim"] = _read_dcp(reader, world, *targets)
                 continue
             name = name_of(world.rank)
             rel = f"{folder}/{name}"
@@ -303,6 +312,35 @@ def _read_parts(reader: FileReader, saved: dict, world: World, want_model: bool,
     if reader.exists(layout.USER_CONTENT_FILE):
         out["user_content"] = reader.load_pickle(layout.USER_CONTENT_FILE)
     return out
+
+
+def _read_dcp(reader: FileReader, world: World, model, optimizer) -> dict:
+    """This rank's ZeRO-1 state from NxD's use_zero1_dcp optimizer (optim/.metadata + .distcp files), at this
+    job's DP size. Every file read is verified against the manifest when there is one."""
+    from . import zero1_dcp
+
+    where = f"{reader.tag}/{layout.OPTIM_DIR}/{zero1_dcp.METADATA_FILE}"
+    meta = zero1_dcp.read_metadata(reader.read(f"{layout.OPTIM_DIR}/{zero1_dcp.METADATA_FILE}"), where)
+    try:
+        names = zero1_dcp.param_names(model, optimizer)
+    except errors.CheckpointArgumentError as exc:
+        raise StateMismatchError(f"checkpoint {reader.tag!r} holds its optimizer as NxD's use_zero1_dcp "
+                                 f"torch.distributed.checkpoint: {exc}") from None
+    files: Dict[str, bytes] = {}
+
+    def read_blob(name: str, offset: int, length: int) -> bytes:
+        if name not in files:
+            files[name] = reader.read(f"{layout.OPTIM_DIR}/{name}")
+        data = files[name]
+        if offset + length > len(data):
+            raise CorruptCheckpointError(f"{reader.tag}/{layout.OPTIM_DIR}/{name} is shorter than its .metadata "
+                                         f"says ({len(data)} < {offset + length} bytes)", path=name)
+        return data[offset:offset + length]
+
+    topo = world.topology
+    c = topo.coords(world.rank)
+    coords = zero1_dcp.Coords(c.pp, c.tp, c.dp, topo.pp, topo.tp, topo.dp)
+    return zero1_dcp.load_state(meta, read_blob, names, coords, where)
 
 
 def _master_tids(reader: FileReader, rel: str):
@@ -358,11 +396,6 @@ def _require(reader: FileReader, rel: str, what: str) -> None:
                 f"checkpoint {reader.tag!r} holds a merged (full) ZeRO-1 optimizer state, as `nxd-ckpt convert-zero1 "
                 "--convert_to_full` writes it; shard it for this job first: `nxd-ckpt convert-zero1 --input_dir "
                 f"<dir>/{reader.tag} --output_dir <dir>/<new_tag> --convert_to_sharded --dp_size <DP>`")
-        if what == "optimizer" and any(n.endswith((".distcp", ".metadata")) for n in names):
-            raise StateMismatchError(
-                f"checkpoint {reader.tag!r} holds its optimizer state as a torch.distributed.checkpoint (NxD's "
-                "use_zero1_dcp=True), which nxd-ckpt does not read; load it with neuronx-distributed, or call "
-                "load_checkpoint without optimizer= to load the model")
         # Without a manifest, damage shows as a hole: sibling shards (whose names also fixed the topology
         # just checked), this shard's own tensor files, or a folder NxD created and left empty.
         siblings = any(layout.parse_shard_filename(n) is not None for n in names)
@@ -383,13 +416,18 @@ def _share(state: dict, world: World) -> None:
         if part not in state:
             continue
         shard = state[part]
+        if f"{part}_groups" not in state:
+            continue      # read whole by this rank (use_zero1_dcp)
         groups = hostgroups.replica_host_groups(state[f"{part}_groups"]) if world.distributed else {}
         share_shard(shard, groups)
         if part == "model" and "masters" in state:
             mr = state["masters"]
             group = groups.get(tuple(sorted(mr.replicas))) if len(mr.replicas) > 1 else None
             parts, notes = hostgroups.share_tensor_dicts(mr.parts, mr.shape_info, mr.replicas, group)
-            _fill_from_masters(state, shard, parts, next(n for n in notes if n is not None), world)
+            try:   # an error here is agreed on after every rank finished its exchanges (read_tag)
+                _fill_from_masters(state, shard, parts, next(n for n in notes if n is not None), world)
+            except Exception as exc:  # noqa: BLE001
+                state["share_error"] = exc
         state[part] = resolve(shard)
 
 

@@ -111,6 +111,17 @@ def plan_shard(folder: str, filename: str, replicas: List[int], rank: int, ref_b
 
 
 @dataclass
+class DcpPart:
+    """use_zero1_dcp=True: this rank's data file of the optimizer's torch.distributed.checkpoint."""
+
+    relpath: str                 # optim/__{rank}_0.distcp
+    items: list                  # zero1_dcp.Item, in file order
+
+    def tensors(self) -> List[torch.Tensor]:
+        return [it.tensor for it in self.items if it.tensor is not None]
+
+
+@dataclass
 class SavePlan:
     """Everything one rank writes for one checkpoint."""
 
@@ -122,16 +133,20 @@ class SavePlan:
     has_model: bool
     has_optim: bool
     model_from_masters: bool = False     # avoid_saving_lower_precision_weights took effect
+    dcp: Optional[DcpPart] = None        # use_zero1_dcp=True: the optimizer as a torch.distributed.checkpoint
 
     def staged_tensors(self) -> List[torch.Tensor]:
         """The tensors this rank must copy to host, in write order."""
         out = []
         for s in self.shards:
             out.extend(s.tensors[i] for i in s.my_tids)
+        if self.dcp is not None:
+            out.extend(self.dcp.tensors())
         return out
 
     def staged_bytes(self) -> int:
-        return sum(s.my_bytes() for s in self.shards)
+        dcp = sum(tensor_nbytes(t) for t in self.dcp.tensors()) if self.dcp is not None else 0
+        return sum(s.my_bytes() for s in self.shards) + dcp
 
 
 def partition_info(tensor: torch.Tensor) -> Optional[dict]:

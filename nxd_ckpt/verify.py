@@ -356,6 +356,9 @@ def _verify_nxd(tagdir: str, res: VerifyResult, workers: int, progress, trusted:
         fpath = os.path.join(tagdir, folder)
         xser_folder = layout.folder_is_xser(fpath)
         refs = shard_refs(fpath)
+        if folder == layout.OPTIM_DIR and os.path.isfile(os.path.join(fpath, layout.DCP_METADATA_FILE)):
+            _check_dcp(fpath, res)
+            continue
         if not refs:
             res.problems.append((folder, "holds no shard files (dp_rank_*_tp_rank_*_pp_rank_*.pt)"))
         for name in refs:
@@ -427,6 +430,33 @@ def _verify_nxd(tagdir: str, res: VerifyResult, workers: int, progress, trusted:
         if bar is not None:
             bar.close()
     res.notes.append("no manifest: checked completeness and that every file opens, not checksums")
+
+
+def _check_dcp(folder: str, res: VerifyResult) -> None:
+    """NxD's use_zero1_dcp optimizer: .metadata reads, and every data file it names holds the bytes it points at."""
+    from .zero1_dcp import read_metadata
+
+    rel = f"{layout.OPTIM_DIR}/{layout.DCP_METADATA_FILE}"
+    try:
+        with open(os.path.join(folder, layout.DCP_METADATA_FILE), "rb") as f:
+            meta = read_metadata(f.read(), rel)
+    except CheckpointError as exc:
+        res.problems.append((rel, str(exc)))
+        return
+    res.files_checked += 1
+    ends: Dict[str, int] = {}
+    for info in (meta.storage_data or {}).values():
+        ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
+    for name, end in sorted(ends.items()):
+        path = os.path.join(folder, name)
+        res.files_checked += 1
+        if not os.path.isfile(path):
+            res.problems.append((f"{layout.OPTIM_DIR}/{name}", "missing (named by optim/.metadata)"))
+        elif os.path.getsize(path) < end:
+            res.problems.append((f"{layout.OPTIM_DIR}/{name}",
+                                 f"has {os.path.getsize(path)} bytes, optim/.metadata needs {end} (truncated)"))
+        else:
+            res.bytes_checked += os.path.getsize(path)
 
 
 def _check_dp_ranks(folder: str, res: VerifyResult) -> None:

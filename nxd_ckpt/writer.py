@@ -23,7 +23,7 @@ import torch
 
 import xser
 
-from . import commit
+from . import commit, layout
 from .coord import Coordinator
 from .errors import RankFailureError, describe_causes
 from .staging import HostBudget, release_host_memory
@@ -78,6 +78,7 @@ class SaveJob:
     finished: threading.Event = field(default_factory=threading.Event)
     error: Optional[BaseException] = None
     stats: dict = field(default_factory=dict)
+    extra_report: dict = field(default_factory=dict)   # JSON-able, filled by tasks (use_zero1_dcp entry locations)
 
     def add(self, task: WriteTask) -> None:
         self.tasks.put(task)
@@ -130,6 +131,7 @@ def run_job(job: SaveJob, runner: SaveRunner) -> None:
         "error": write_error,
         "files": {r.relpath: r.to_json() for r in records},
         "tensors": job.manifest_info.get("tensors", {}),
+        **job.extra_report,
     }
     coord.report("written", report)
     if job.rank == 0:
@@ -303,6 +305,16 @@ def _describe(exc: BaseException, rank: int) -> str:
     return f"{where}"
 
 
+def _write_dcp_metadata(storage: Storage, staging: str, dcp) -> FileRecord:
+    """Rank 0: the ``.metadata`` of the use_zero1_dcp optimizer, from every rank's entry locations."""
+    from .zero1_dcp import METADATA_FILE, metadata_bytes
+
+    body = metadata_bytes(dcp)
+    rel = f"{layout.OPTIM_DIR}/{METADATA_FILE}"
+    rec = storage.write_file(f"{staging}/{rel}", lambda f: f.write(body))
+    return FileRecord(rel, rec.size, rec.crc32c)
+
+
 def _commit_as_root(job: SaveJob, own_report: dict) -> dict:
     """Rank 0: gather all reports; commit when every rank succeeded; else describe the failures."""
     coord = job.coordinator
@@ -328,6 +340,10 @@ def _commit_as_root(job: SaveJob, own_report: dict) -> dict:
             for rel, meta in rep["files"].items():
                 files[rel] = dict(meta, rank=r)
             tensors.update(rep["tensors"])
+        dcp = [(r, rep["dcp"]) for r, rep in sorted(reports.items()) if rep.get("dcp") is not None]
+        if dcp:
+            rec = _write_dcp_metadata(job.storage, staging, dcp)
+            files[rec.relpath] = dict(rec.to_json(), rank=0)
         manifest = commit.build_manifest(job.tag, job.manifest_info["topology"], job.manifest_info["flags"],
                                          files, tensors)
         commit.publish(job.storage, job.tag, manifest)

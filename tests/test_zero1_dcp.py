@@ -1,0 +1,146 @@
+"""use_zero1_dcp=True: the ZeRO-1 optimizer state as NxD's torch.distributed.checkpoint under optim/, saved on
+several ranks and loaded at the same and at other DP sizes; NxD-written DCP optimizers load."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import nxd_ckpt
+from harness import run_ranks
+from nxd_ckpt.testing.zero1_adam import shard_of, unshard
+from tiny_models import TinyShard, all_files, assert_bit_equal, to_cpu_state, train_steps
+
+
+def _build(ps, tp_rank, offset):
+    from nxd_ckpt.testing import ZeroOneAdam
+
+    model = TinyShard(tp_rank=tp_rank, hidden=6, seed_offset=offset)   # 6 rows: DP=4 pads to 8
+    opt = ZeroOneAdam(model.parameters(), dp_group=ps.get_data_parallel_host_group(),
+                      dp_rank=ps.get_data_parallel_rank(), dp_size=ps.get_data_parallel_size(),
+                      save_master_weights=False)
+    return model, opt
+
+
+def _save_rank(rank, world, root, tp):
+    import parallel_state as ps
+
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp)
+    tp_rank = ps.get_tensor_model_parallel_rank()
+    model, opt = _build(ps, tp_rank, 0)
+    train_steps(model, opt, 2, seed=4, dp_rank=ps.get_data_parallel_rank())
+    nxd_ckpt.save_checkpoint(root, "s", model=model, optimizer=opt, async_save=True, use_zero1_dcp=True)
+    nxd_ckpt.finalize_checkpoint()
+    want = to_cpu_state(opt.state_dict())
+    fresh, fresh_opt = _build(ps, tp_rank, 3)
+    nxd_ckpt.load_checkpoint(root, "s", fresh, fresh_opt, None, 8, True, True)   # NxD's positional call
+    assert_bit_equal(to_cpu_state(model.state_dict()), to_cpu_state(fresh.state_dict()), "model")
+    assert_bit_equal(want, to_cpu_state(fresh_opt.state_dict()), "optimizer")
+    return want
+
+
+def _load_rank(rank, world, root):
+    import parallel_state as ps
+
+    ps.initialize_model_parallel(tensor_model_parallel_size=1)
+    model, opt = _build(ps, 0, 3)
+    nxd_ckpt.load_checkpoint(root, "s", model=model, optimizer=opt)
+    return to_cpu_state(opt.state_dict())
+
+
+def _full(states, key, i):
+    return unshard([s["base_state"][i][key] for s in states], states[0]["shape_info"][i])
+
+
+def test_tp2_dp2_names_files_and_torch_dcp_reads_it(tmp_path):
+    root = str(tmp_path / "ck")
+    states = run_ranks(_save_rank, 4, root, 2, timeout=240)
+    want = {"newest", "s/checkpoint", "s/done", "s/manifest.json", "s/optim/.metadata"}
+    want |= {f"s/optim/__{r}_0.distcp" for r in range(4)}
+    want |= {f"s/model/dp_rank_00_tp_rank_{t:02d}_pp_rank_00.pt" for t in range(2)}
+    assert all_files(root) == want
+    from torch.distributed.checkpoint import FileSystemReader
+    import torch.distributed.checkpoint as dcp
+
+    meta = FileSystemReader(os.path.join(root, "s", "optim")).read_metadata()
+    keys = set(meta.state_dict_metadata)
+    for name in ("up", "down", "bias"):
+        assert f"base_state.{name}.step" in keys
+        for k in ("exp_avg", "exp_avg_sq"):
+            assert {f"base_state.{name}.{k}|tp-0000", f"base_state.{name}.{k}|tp-0001"} <= keys
+    assert "param_groups.0.lr" in keys and "shape_info.0" in keys
+    from nxd_ckpt.cli import main as cli_main
+
+    assert cli_main(["verify", root]) == 0
+    # torch's own reader assembles the DP chunks: rank r is tp r % 2, dp r // 2
+    target = {"base_state.up.exp_avg|tp-0001": torch.empty(6, 6)}
+    dcp.load(target, checkpoint_id=os.path.join(root, "s", "optim"), no_dist=True)
+    assert_bit_equal(_full([states[1], states[3]], "exp_avg", 0), target["base_state.up.exp_avg|tp-0001"])
+
+
+def test_saved_at_dp2_loads_at_dp1_and_dp4(tmp_path):
+    root = str(tmp_path / "ck")
+    states = run_ranks(_save_rank, 2, root, 1, timeout=240)
+    for dp in (1, 4):
+        loaded = run_ranks(_load_rank, dp, root, timeout=240)
+        for r in range(dp):
+            for i in range(3):
+                for key in ("exp_avg", "exp_avg_sq"):
+                    assert_bit_equal(shard_of(_full(states, key, i), r, dp), loaded[r]["base_state"][i][key],
+                                     f"dp{dp} rank {r} param {i} {key}")
+                assert_bit_equal(states[0]["base_state"][i]["step"], loaded[r]["base_state"][i]["step"])
+            assert loaded[r]["param_groups"] == states[0]["param_groups"]
+
+
+def test_nxd_written_dcp_optimizer_loads(tmp_path):
+    """What NxD's zero_dcp_utils writes at DP=1, TP=1 (keys by parameter name, flattened as DCP flattens),
+    written here by torch's own DCP writer."""
+    import torch.distributed.checkpoint as dcp
+
+    from nxd_ckpt.testing import ZeroOneAdam
+
+    model = TinyShard(hidden=4, device="cpu")
+    g = torch.Generator().manual_seed(1)
+    names = ["up", "down", "bias"]
+    flat = {}
+    for n, p in zip(names, model.parameters()):
+        flat[f"base_state.{n}.step"] = torch.tensor(5.0)
+        flat[f"base_state.{n}.exp_avg"] = torch.randn(p.shape, generator=g)
+        flat[f"base_state.{n}.exp_avg_sq"] = torch.randn(p.shape, generator=g).abs()
+    state = {"param_groups": [{"lr": 0.5, "betas": (0.9, 0.999), "eps": 1e-8, "params": [0, 1, 2]}],
+             "base_state": {n: {k.rsplit(".", 1)[1]: v for k, v in flat.items() if k.startswith(f"base_state.{n}.")}
+                            for n in names},
+             "shape_info": {i: p.shape for i, p in enumerate(model.parameters())}}
+    tag = tmp_path / "nxd"
+    dcp.save(state, checkpoint_id=str(tag / "optim"), no_dist=True)
+    (tag / "model").mkdir()
+    torch.save(model.state_dict(), tag / "model" / "dp_rank_00_tp_rank_00_pp_rank_00.pt")
+    (tag / "checkpoint").write_text("1")
+    (tag / "done").write_text("1")
+    opt = ZeroOneAdam(model.parameters(), save_master_weights=False)
+    nxd_ckpt.load_checkpoint(str(tmp_path), "nxd", model=model, optimizer=opt, use_zero1_dcp=True)
+    with pytest.raises(nxd_ckpt.StateMismatchError, match="use_zero1_dcp"):
+        nxd_ckpt.load_checkpoint(str(tmp_path), "nxd", optimizer=opt)   # no model: parameter names unknown
+    sd = opt.state_dict()
+    for i, n in enumerate(names):
+        for k in ("step", "exp_avg", "exp_avg_sq"):
+            assert_bit_equal(flat[f"base_state.{n}.{k}"], sd["base_state"][i][k], f"{n}.{k}")
+    assert sd["param_groups"][0]["lr"] == 0.5
+    from nxd_ckpt.cli import main as cli_main
+
+    assert cli_main(["verify", str(tag)]) == 0
+    data = tag / "optim" / "__0_0.distcp"
+    data.write_bytes(data.read_bytes()[:-10])
+    assert cli_main(["verify", str(tag)]) == 1
+
+
+def test_dcp_refuses_master_weights(tmp_path):
+    from nxd_ckpt.testing import ZeroOneAdam
+
+    model = TinyShard(device="cpu")
+    opt = ZeroOneAdam(model.parameters())
+    with pytest.raises(nxd_ckpt.CheckpointArgumentError, match="cannot save sharded_master_weights"):
+        nxd_ckpt.save_checkpoint(str(tmp_path), "s", model=model, optimizer=opt, async_save=True,
+                                 use_zero1_dcp=True)
+    assert os.listdir(tmp_path) == []
