@@ -309,10 +309,35 @@ class _DcpReader:
         import torch.distributed.checkpoint as dcp
 
         md = self.entries[key]
+        whole = self._whole_chunk(key, md)
+        if whole is not None:
+            return whole
         out = {key: torch.empty(tuple(md.size), dtype=md.properties.dtype)}
         with _quiet_dcp():
             dcp.load(out, checkpoint_id=self.path, no_dist=True)
         return out[key]
+
+    def _whole_chunk(self, key: str, md) -> Optional[torch.Tensor]:
+        """A tensor saved as one untransformed chunk (what to-dcp and any single-process save write), read
+        straight from its byte range; None when DCP's own loader must assemble it (sharded saves)."""
+        from torch.distributed.checkpoint.metadata import MetadataIndex
+
+        if len(md.chunks) != 1 or tuple(md.chunks[0].sizes) != tuple(md.size) or any(md.chunks[0].offsets):
+            return None
+        info = self.metadata.storage_data.get(MetadataIndex(key, md.chunks[0].offsets))
+        if info is None or getattr(info, "transform_descriptors", None):
+            return None
+        with open(os.path.join(self.path, info.relative_path), "rb") as f:
+            f.seek(info.offset)
+            data = f.read(info.length)
+        try:
+            t = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        except Exception as exc:  # noqa: BLE001
+            raise CorruptCheckpointError(f"{self.path}: entry {key!r} cannot be read: {exc}") from exc
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != tuple(md.size) or t.dtype != md.properties.dtype:
+            raise CorruptCheckpointError(f"{self.path}: entry {key!r} does not hold the {md.properties.dtype} "
+                                         f"{tuple(md.size)} tensor its metadata describes")
+        return t
 
     def value(self, key: str):
         from torch.distributed.checkpoint.metadata import MetadataIndex

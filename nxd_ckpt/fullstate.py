@@ -245,7 +245,10 @@ def _param_names(f: _OptimFile, keys: List[str], model: Dict[str, TensorSource],
     stage's model shard (the order of ``model.parameters()``, which torch optimizers and ZeRO-1 index)."""
     data = f.data
     count = len(data["shape_info"]) if zero1 else sum(len(g["params"]) for g in data["param_groups"])
-    if count != len(keys):
+    recorded = ((reader.manifest or {}).get("optim_params") or {}).get(f.rel)
+    if recorded is not None and len(recorded) == count and set(recorded) <= set(keys):
+        keys = list(recorded)      # written by nxd-ckpt's converters: the names are recorded
+    elif count != len(keys):
         raise ConversionError(
             f"{reader.path(f.rel)} holds the state of {count} parameters but the model shard has {len(keys)} tensors "
             "(buffers, tied weights or a parameter order that is not the model's): the optimizer state cannot be "

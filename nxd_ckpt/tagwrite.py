@@ -153,7 +153,7 @@ def write_tag(state: FullState, dst: str, sizes: TagSizes, *, converted_from: di
             if obj is not None:
                 w.small(name, lambda fo, obj=obj: torch.save(obj, fo))
         _fsync(stage_dir, list(w.records))
-        _commit(w, os.path.basename(dst), sizes, state, converted_from)
+        _commit(w, os.path.basename(dst), sizes, state, converted_from, list(optims.values()))
         publish_output(stage_dir, dst)
     except BaseException:
         shutil.rmtree(stage_dir, ignore_errors=True)
@@ -264,7 +264,7 @@ def _fsync(root: str, rels: List[str]) -> None:
     _fsync_files(root, rels)
 
 
-def _commit(w: _Writer, tag: str, sizes: TagSizes, state: FullState, converted_from: dict) -> None:
+def _commit(w: _Writer, tag: str, sizes: TagSizes, state: FullState, converted_from: dict, optims) -> None:
     from .zero1 import _rank_of
 
     topo = sizes.topology()
@@ -274,6 +274,8 @@ def _commit(w: _Writer, tag: str, sizes: TagSizes, state: FullState, converted_f
     flags = {"zero1": sizes.zero1, "xser": True, "has_model": True, "has_optim": state.optim is not None}
     man = commit.build_manifest(tag, topo, flags, files, w.tensors)
     man["converted_from"] = converted_from
+    # the parameter name of each optimizer index, so that reading this tag back never has to infer it
+    man["optim_params"] = {f.rel: list(f.index) for f in optims}
     body = json.dumps(man, indent=1).encode()
     w.store.write_file(layout.MANIFEST_FILE, lambda f: f.write(body))
     w.store.write_file(layout.DONE_MARKER, lambda f: f.write(commit.done_body(body)))

@@ -179,3 +179,16 @@ def test_adamw_group_has_every_key_adamw_has():
     assert adamw_group({"lr": 0.5, "weight_decay": real["weight_decay"]}) == {k: v for k, v in real.items()
                                                                               if k != "params"}
     assert adamw_group({"lr": 0.5})["weight_decay"] == 0.0, "a plain Adam state has no decoupled weight decay"
+
+
+def test_buffers_without_optimizer_state_round_trip(tmp_path):
+    """A model tensor without optimizer state (a buffer): the tag records which parameter each optimizer index
+    is, so reading it back maps the state to the right names."""
+    state, vals = full_state()
+    del state.optim.params["model.layers.0.input_layernorm.weight"]
+    state.optim.groups = [(h, [n for n in names if n in state.optim.params]) for h, names in state.optim.groups]
+    write_tag(state, str(tmp_path / "a"), TagSizes(2, 1, 2, True), converted_from={})
+    back = read_tag(str(tmp_path / "a"))
+    assert set(back.optim.params) == set(state.optim.params)
+    for n, ps in back.optim.params.items():
+        assert_bit_equal(ps.moments["exp_avg"].checked(), vals[n][1], n)

@@ -90,10 +90,18 @@ def _native_rank(rank, world, dcp_dir, argv):
     wd = [g["weight_decay"] for g in optim.param_groups]
     sched_sd = dict(sched.state_dict())
     losses = native_demo.train(model, optim, sched, args, int(uc["step"]), int(uc["data_pos"]))
+    # the native job saves as native jobs do (sharded DCP, one chunk per rank), for from-dcp below
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, optim)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=dcp_dir + "_native")
+    after = {"model": to_cpu_state(get_model_state_dict(model, options=full)),
+             "optim": to_cpu_state(get_optimizer_state_dict(model, optim, options=full)).get("state")}
     if rank != 0:
         return None
     return {"model": msd, "optim": osd["state"], "losses": losses, "uc": uc, "lrs": lrs, "wd": wd,
-            "sched": sched_sd}
+            "sched": sched_sd, "after": after}
 
 
 @pytest.mark.slow
@@ -130,6 +138,17 @@ def test_xla_run_resumes_in_native_pytorch_and_comes_back(xla_run, tmp_path):
     for n in ("scheduler.pt", "user_content.pt"):
         assert torch.load(back / n, weights_only=True) == torch.load(tag / n, weights_only=True)
     assert main(["verify", str(back)]) == 0
+
+    # and the native job's own sharded DCP save comes in with Llama's partition rules, equal to its full state
+    from nxd_ckpt.fullstate import read_tag
+
+    assert main(["from-dcp", str(out) + "_native", str(tmp_path / "native_tag"), "--tp", "2", "--dp", "2",
+                 "--zero1", "--preset", "llama"]) == 0
+    native = read_tag(str(tmp_path / "native_tag"))
+    assert_bit_equal({t.name: t.checked() for t in native.model}, got["after"]["model"], "native model")
+    for name, ps in native.optim.params.items():
+        assert_bit_equal({"step": ps.step, **{k: m.checked() for k, m in ps.moments.items()}},
+                         got["after"]["optim"][name], f"native optim/{name}")
 
 
 @pytest.mark.slow
