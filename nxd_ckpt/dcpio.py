@@ -32,13 +32,13 @@ import shutil
 import sys
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from . import commit
 from .errors import CheckpointArgumentError, CorruptCheckpointError
-from .fullstate import (MOMENTS, ConversionError, FullState, OptimState, ParamState, TensorSource, natural_step,
+from .fullstate import (ConversionError, FullState, OptimState, ParamState, TensorSource, natural_step,
                         rule_partition)
 from .outdir import publish_output
 from .partition import Partition

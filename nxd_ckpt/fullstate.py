@@ -7,7 +7,7 @@ content. Nothing is read until a sink calls ``load()``, one tensor at a time, so
 full tensor (and its pieces) in memory.
 
 Sources: ``read_tag`` (an NxD / nxd-ckpt tag: TP shards joined by their partition attributes, PP stages
-merged, ZeRO-1 pieces joined over DP) here; ``hf.read_hf`` and ``dcpio.read_dcp`` elsewhere.
+merged, ZeRO-1 pieces joined over DP) here; ``convert.read_hf`` and ``dcpio.read_dcp`` elsewhere.
 Sinks: ``tagwrite.write_tag``, ``dcpio.write_dcp``, ``export`` (Hugging Face safetensors).
 """
 from __future__ import annotations
@@ -27,7 +27,6 @@ from .errors import CheckpointArgumentError, CheckpointError, CorruptCheckpointE
 from .partition import Partition, assemble_zero1, copy_into_blocks, tp_block_views
 from .verify import CheckedReader, load_manifest_file
 
-MOMENTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 
 
 class ConversionError(CheckpointError, ValueError):
@@ -351,7 +350,3 @@ def natural_step(state: FullState) -> Optional[int]:
         if ps.step is not None:
             return int(float(ps.step))
     return None
-
-
-def tag_name(path: str) -> str:
-    return re.sub(r"[/\\]+$", "", path).rsplit("/", 1)[-1]
