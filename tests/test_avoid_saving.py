@@ -139,3 +139,23 @@ def test_with_use_zero1_dcp_is_refused_as_nxd(tmp_path):
         nxd_ckpt.save_checkpoint(str(tmp_path), "s", model={"w": torch.ones(2)}, optimizer={}, async_save=True,
                                  use_zero1_dcp=True, avoid_saving_lower_precision_weights=True)
     assert not os.listdir(tmp_path)
+
+
+def test_single_process_round_trip_and_tools_say_where_the_weights_are(tmp_path, capsys):
+    from nxd_ckpt.testing import ZeroOneAdam
+
+    model = TinyShard(device="cpu")
+    opt = ZeroOneAdam(model.parameters())
+    train_steps(model, opt, 1, seed=2)
+    nxd_ckpt.save_checkpoint(str(tmp_path), "s", model=model, optimizer=opt, use_xser=True,
+                             avoid_saving_lower_precision_weights=True)
+    tensors = tmp_path / "s" / "model" / "dp_rank_00_tp_rank_00_pp_rank_00.pt.tensors"
+    assert sorted(os.listdir(tensors)) == ["tensor_3.pt"]          # the buffer only
+    fresh = TinyShard(device="cpu", seed_offset=4)
+    nxd_ckpt.load_checkpoint(str(tmp_path), "s", model=fresh)
+    assert_bit_equal(to_cpu_state(model.state_dict()), to_cpu_state(fresh.state_dict()), "model")
+    capsys.readouterr()
+    assert cli_main(["info", str(tmp_path / "s")]) == 0
+    assert "weights kept only as ZeRO-1 master weights" in capsys.readouterr().out
+    assert cli_main(["ls", str(tmp_path)]) == 0
+    assert "s: model weights kept only as ZeRO-1 master weights" in capsys.readouterr().out

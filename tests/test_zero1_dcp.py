@@ -93,10 +93,13 @@ def test_saved_at_dp2_loads_at_dp1_and_dp4(tmp_path):
             assert loaded[r]["param_groups"] == states[0]["param_groups"]
 
 
-def test_nxd_written_dcp_optimizer_loads(tmp_path):
-    """What NxD's zero_dcp_utils writes at DP=1, TP=1 (keys by parameter name, flattened as DCP flattens),
-    written here by torch's own DCP writer."""
+@pytest.mark.parametrize("flatten", ["torch>=2.4", "torch<=2.3"])
+def test_nxd_written_dcp_optimizer_loads(tmp_path, flatten):
+    """What NxD's zero_dcp_utils writes at DP=1, TP=1 (keys by parameter name, flattened as DCP flattens: one
+    entry per leaf since torch 2.4, whole non-tensor containers such as param_groups before), written here by
+    torch's own DCP writer."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import _version
 
     from nxd_ckpt.testing import ZeroOneAdam
 
@@ -113,7 +116,13 @@ def test_nxd_written_dcp_optimizer_loads(tmp_path):
                             for n in names},
              "shape_info": {i: p.shape for i, p in enumerate(model.parameters())}}
     tag = tmp_path / "nxd"
-    dcp.save(state, checkpoint_id=str(tag / "optim"), no_dist=True)
+    _version._derived_version = "2_3" if flatten == "torch<=2.3" else None
+    try:
+        dcp.save(state, checkpoint_id=str(tag / "optim"), no_dist=True)
+    finally:
+        _version._derived_version = None
+    keys = set(dcp.FileSystemReader(str(tag / "optim")).read_metadata().state_dict_metadata)
+    assert ("param_groups" in keys) == (flatten == "torch<=2.3")
     (tag / "model").mkdir()
     torch.save(model.state_dict(), tag / "model" / "dp_rank_00_tp_rank_00_pp_rank_00.pt")
     (tag / "checkpoint").write_text("1")
