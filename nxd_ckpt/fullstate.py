@@ -194,6 +194,9 @@ def _read_optim(reader: CheckedReader, tagdir: str, model: Dict[str, TensorSourc
                 stage_keys: Dict[int, List[str]]) -> OptimState:
     folder = os.path.join(tagdir, layout.OPTIM_DIR)
     names = layout.list_shard_files(folder)
+    if not names and os.path.isfile(os.path.join(folder, ".metadata")):
+        raise ConversionError(f"{folder} holds a ZeRO-1 state saved with use_zero1_dcp=True (a DCP checkpoint), which "
+                              "the converters do not read yet; pass --no-optimizer to convert the model only")
     if not names:
         raise ConversionError(f"{folder} holds no optimizer files; pass --no-optimizer to convert the model only")
     if any(s.ep is not None for s in names):

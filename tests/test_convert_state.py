@@ -192,3 +192,26 @@ def test_buffers_without_optimizer_state_round_trip(tmp_path):
     assert set(back.optim.params) == set(state.optim.params)
     for n, ps in back.optim.params.items():
         assert_bit_equal(ps.moments["exp_avg"].checked(), vals[n][1], n)
+
+
+def test_import_of_save_pretrained_output(tmp_path):
+    """A checkpoint LlamaForCausalLM.save_pretrained wrote comes in at TP=2 x PP=2 with the llama preset; the
+    tag's full tensors equal the model's state dict bit for bit, with the preset's partition attributes."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
+                      tie_word_embeddings=False)
+    model = LlamaForCausalLM(cfg)
+    model.save_pretrained(str(tmp_path / "hf"), safe_serialization=True)
+    assert main(["import", str(tmp_path / "hf"), str(tmp_path / "tag"), "--tp", "2", "--pp", "2",
+                 "--preset", "llama"]) == 0
+    back = read_tag(str(tmp_path / "tag"))
+    assert_bit_equal({t.name: t.checked() for t in back.model}, dict(model.state_dict()))
+    parts = {t.name: t.partition for t in back.model}
+    assert parts["model.layers.1.self_attn.k_proj.weight"] == Partition(0)
+    assert parts["model.layers.0.mlp.down_proj.weight"] == Partition(1)
+    assert parts["model.norm.weight"] is None and parts["lm_head.weight"] == Partition(0)
+    stage1 = xser_keys(tmp_path / "tag" / "model" / "dp_rank_00_tp_rank_01_pp_rank_01.pt")
+    assert "lm_head.weight" in stage1 and "model.embed_tokens.weight" not in stage1
