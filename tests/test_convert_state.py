@@ -215,3 +215,41 @@ def test_import_of_save_pretrained_output(tmp_path):
     assert parts["model.norm.weight"] is None and parts["lm_head.weight"] == Partition(0)
     stage1 = xser_keys(tmp_path / "tag" / "model" / "dp_rank_00_tp_rank_01_pp_rank_01.pt")
     assert "lm_head.weight" in stage1 and "model.embed_tokens.weight" not in stage1
+
+
+@pytest.mark.parametrize("layout_kind", ["plain", "torchtitan"])
+def test_to_dcp_and_back_at_tp_pp_dp(tmp_path, layout_kind):
+    """to-dcp of a TP=2 x PP=2 x DP=2 ZeRO-1 tag and from-dcp at the same sizes: every file's tensors equal."""
+    import xser
+
+    state, _ = full_state()
+    write_tag(state, str(tmp_path / "a"), TagSizes(2, 2, 2, True), converted_from={})
+    assert main(["to-dcp", str(tmp_path / "a"), str(tmp_path / "d"), "--layout", layout_kind]) == 0
+    man = json.loads((tmp_path / "d" / "manifest.json").read_text())
+    assert set(man["files"]) == set(os.listdir(tmp_path / "d")) - {"manifest.json", "done"}
+    assert main(["from-dcp", str(tmp_path / "d"), str(tmp_path / "b"), "--tp", "2", "--pp", "2", "--dp", "2",
+                 "--zero1"]) == 0
+    for sub in ("model", "optim"):
+        for n in sorted(os.listdir(tmp_path / "a" / sub)):
+            if n.endswith(".pt") and ".pt." not in n:
+                assert_bit_equal(xser.load(str(tmp_path / "b" / sub / n)), xser.load(str(tmp_path / "a" / sub / n)), n)
+    assert torch.load(tmp_path / "b" / "scheduler.pt", weights_only=True) == {"last_epoch": 4}
+
+
+def test_to_dcp_refusals(tmp_path, capsys):
+    state, _ = full_state()
+    write_tag(state, str(tmp_path / "a"), TagSizes(1, 1, 1, False), converted_from={})
+    os.remove(tmp_path / "a" / "done")
+    assert main(["to-dcp", str(tmp_path / "a"), str(tmp_path / "d")]) == 1
+    assert "has no 'done' marker" in capsys.readouterr().err
+    write_tag(state, str(tmp_path / "b"), TagSizes(1, 1, 1, False), converted_from={})
+    man = json.loads((tmp_path / "b" / "manifest.json").read_text())
+    assert main(["to-dcp", str(tmp_path / "b"), str(tmp_path / "b" / "inside")]) == 1
+    assert "inside the input directory" in capsys.readouterr().err
+    assert main(["to-dcp", str(tmp_path / "b"), str(tmp_path / "d"), "--layout", "megatron"]) == 2
+    assert not os.path.exists(tmp_path / "d") and man["has_optim"]
+    assert main(["to-dcp", str(tmp_path / "b"), str(tmp_path / "d"), "--no-optimizer"]) == 0
+    from torch.distributed.checkpoint import FileSystemReader
+
+    keys = set(FileSystemReader(str(tmp_path / "d")).read_metadata().state_dict_metadata)
+    assert not [k for k in keys if k.startswith("optim")] and "model.lm_head.weight" in keys
