@@ -210,19 +210,21 @@ def _write_all(job: SaveJob, runner: SaveRunner, staging: str):
     task queue so the caller's snapshot never waits on a dead consumer."""
     pool = runner._ensure_pool(max(1, job.stats.get("num_workers", 1)))
     futures: List[Future] = []
+    failed: List[Future] = []      # appended by done-callbacks: no rescan of every future per task (O(n^2))
     error: Optional[str] = None
     written_bytes = 0
     while True:
         task = job.tasks.get()
         if task is _END:
             break
+        if error is None and failed:
+            error = _describe(failed[0].exception(), job.rank)
         if error is not None:
             runner.budget.release(task.nbytes)
             continue
-        futures.append(pool.submit(_write_one, job.storage, staging, task, runner.budget))
-        done = [f for f in futures if f.done() and f.exception() is not None]
-        if done:
-            error = _describe(done[0].exception(), job.rank)
+        fut = pool.submit(_write_one, job.storage, staging, task, runner.budget)
+        fut.add_done_callback(lambda f: f.exception() is not None and failed.append(f))
+        futures.append(fut)
     wait(futures)
     records: List[FileRecord] = []
     for f in futures:
