@@ -110,7 +110,10 @@ def _torchrun(args, nproc: int, extra) -> None:
            os.path.abspath(__file__), "--dir", args.dir, "--hidden", str(args.hidden), "--layers", str(args.layers),
            "--vocab", str(args.vocab), *extra]
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
-    subprocess.run(cmd, check=True, env=env, timeout=1800, stdout=subprocess.DEVNULL)
+    proc = subprocess.run(cmd, env=env, timeout=1800, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if proc.returncode:
+        tail = "\n".join(ln for ln in proc.stdout.splitlines() if not ln.startswith("[Gloo]"))[-4000:]
+        raise SystemExit(f"bench_reshard.py: {' '.join(extra)} failed (exit {proc.returncode}):\n{tail}")
 
 
 CASES = {"same": ("2", "1"), "reshard": ("1", "2")}   # (tp, pp) of the loading job, 2 ranks each

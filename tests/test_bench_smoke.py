@@ -79,3 +79,23 @@ def test_bench_bf16_params_with_fp32_optimizer_state(tmp_path):
     for m in ("nxd_ckpt_async", "torch_save"):
         _sane(r["methods"][m]["cpu_s_per_gb"], f"{m}.cpu_s_per_gb")
         _sane(r["methods"][m]["load_s"], f"{m}.load_s")
+
+
+@pytest.mark.slow
+def test_bench_reshard_tiny_run_writes_complete_json(tmp_path):
+    """scripts/bench_reshard.py: save at TP=2, load at TP=2 and resharded at TP=1 x PP=2, at a tiny size."""
+    out = tmp_path / "reshard.json"
+    cmd = [sys.executable, os.path.join(ROOT, "scripts", "bench_reshard.py"), "--hidden", "64", "--layers", "2",
+           "--vocab", "128", "--repeat", "1", "--dir", str(tmp_path / "data"), "--out", str(out)]
+    env = dict(os.environ, PJRT_DEVICE="CPU", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    with open(out) as f:
+        r = json.load(f)
+    for case in ("same", "reshard"):
+        c = r["cases"][case]
+        for k in ("load_s_median", "new_shard_mb", "largest_source_tensor_mb"):
+            _sane(c[k], f"{case}.{k}")
+        _sane(c["rss_peak_above_mb_max"], f"{case}.rss_peak_above_mb_max", allow_zero=True)
+    assert r["cases"]["same"]["new_shard_mb"] == pytest.approx(r["cases"]["reshard"]["new_shard_mb"], rel=0.01)
+    _sane(r["reshard_over_same"], "reshard_over_same")

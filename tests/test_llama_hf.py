@@ -30,6 +30,7 @@ def _demo_rank(rank, world, argv):
     return True
 
 
+@pytest.mark.slow
 def test_export_of_tp2_demo_checkpoint_loads_in_transformers_with_equal_logits(tmp_path):
     import train_demo
     from transformers import LlamaForCausalLM
@@ -58,6 +59,7 @@ def test_export_of_tp2_demo_checkpoint_loads_in_transformers_with_equal_logits(t
     torch.testing.assert_close(logits, ref["logits"], rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_import_of_save_pretrained_checkpoint_gives_the_demo_the_same_logits(tmp_path):
     """A LlamaForCausalLM written by save_pretrained, brought in with `nxd-ckpt import --tp 2 --preset llama`, loads
     into the demo at TP=2 (and, resharded on load, at TP=1 x PP=2); its logits equal transformers'."""
