@@ -241,29 +241,36 @@ def _merge_groups(groups: List[Tuple[dict, List[str]]]) -> List[Tuple[dict, List
     return out
 
 
+NXD_NO_DECAY = ("bias", "norm")   # NxD's Llama example: get_param_groups_by_weight_decay's no-decay names
+
+
 def _param_names(f: _OptimFile, keys: List[str], model: Dict[str, TensorSource], ntp: int, zero1: bool,
                  reader: CheckedReader) -> List[str]:
-    """The model key of each optimizer parameter index of one stage: parameter i is the i-th tensor of the
-    stage's model shard (the order of ``model.parameters()``, which torch optimizers and ZeRO-1 index)."""
+    """The model key of each optimizer parameter index of one stage. Optimizers number parameters group by
+    group, so: the names our converters recorded; else, with one param group, the model shard's order
+    (``model.parameters()``); with two groups sized like NxD's weight-decay split (names without
+    'bias'/'norm', then those with), that order. The ZeRO-1 ``shape_info`` must agree with the choice."""
     data = f.data
-    count = len(data["shape_info"]) if zero1 else sum(len(g["params"]) for g in data["param_groups"])
+    sizes = [len(g["params"]) for g in data["param_groups"]]
+    count = len(data["shape_info"]) if zero1 else sum(sizes)
     recorded = ((reader.manifest or {}).get("optim_params") or {}).get(f.rel)
+    decay = [k for k in keys if not any(nd in k for nd in NXD_NO_DECAY)]
+    candidates = []
     if recorded is not None and len(recorded) == count and set(recorded) <= set(keys):
-        keys = list(recorded)      # written by nxd-ckpt's converters: the names are recorded
-    elif count != len(keys):
-        raise ConversionError(
-            f"{reader.path(f.rel)} holds the state of {count} parameters but the model shard has {len(keys)} tensors "
-            "(buffers, tied weights or a parameter order that is not the model's): the optimizer state cannot be "
-            "mapped to parameter names. Pass --no-optimizer to convert the model only")
-    if zero1:
-        for i, key in enumerate(keys):
-            local = _local_shape(model[key], ntp)
-            if tuple(int(d) for d in data["shape_info"][i]) != local:
-                raise ConversionError(
-                    f"{reader.path(f.rel)}: parameter {i} is {tuple(data['shape_info'][i])} but model tensor {i} "
-                    f"({key}) is {local} on each TP rank: the optimizer's parameter order is not the model's. Pass "
-                    "--no-optimizer to convert the model only")
-    return list(keys)
+        candidates.append(list(recorded))
+    if len(sizes) == 1 and count == len(keys):
+        candidates.append(list(keys))
+    if len(sizes) == 2 and sizes == [len(decay), len(keys) - len(decay)]:
+        candidates.append(decay + [k for k in keys if k not in decay])
+    for order in candidates:
+        if not zero1 or all(tuple(int(d) for d in data["shape_info"][i]) == _local_shape(model[k], ntp)
+                            for i, k in enumerate(order)):
+            return order
+    raise ConversionError(
+        f"{reader.path(f.rel)} holds the state of {count} parameters in {len(sizes)} param group(s) of sizes {sizes}, "
+        f"which matches neither the model shard's {len(keys)} tensors in order nor NxD's weight-decay grouping "
+        "(buffers, tied weights or another parameter order): the optimizer state cannot be mapped to parameter "
+        "names. Pass --no-optimizer to convert the model only")
 
 
 def _local_shape(t: TensorSource, ntp: int) -> tuple:

@@ -178,11 +178,20 @@ def _skeletons(state: FullState, sizes: TagSizes, stages: Dict[str, int]):
             models[(r, p)] = f
         if state.optim is None:
             continue
-        order = [t.name for t in names if t.name in state.optim.params]
+        order = _packing_order(state, [t.name for t in names if t.name in state.optim.params])
         for r in range(sizes.tp):
             for d in range(sizes.dp if sizes.zero1 else 1):
                 optims[(r, p, d)] = _optim_file(state, order, sizes, r, p, d)
     return models, optims
+
+
+def _packing_order(state: FullState, names: List[str]) -> List[str]:
+    """Optimizer indices as torch and ZeRO-1 number them: group by group, each group's parameters in order
+    (the model's order when there is one group); parameters in no group last."""
+    mine = set(names)
+    order = [n for _h, group in state.optim.groups for n in group if n in mine]
+    seen = set(order)
+    return order + [n for n in names if n not in seen]
 
 
 def _groups(state: FullState, order: List[str]) -> List[dict]:

@@ -253,3 +253,32 @@ def test_to_dcp_refusals(tmp_path, capsys):
 
     keys = set(FileSystemReader(str(tmp_path / "d")).read_metadata().state_dict_metadata)
     assert not [k for k in keys if k.startswith("optim")] and "model.lm_head.weight" in keys
+
+
+def test_nxd_weight_decay_groups_map_by_group_order(tmp_path):
+    """NxD's Llama example builds two param groups (names without 'bias'/'norm' with weight decay, then the
+    rest): the optimizer numbers parameters in that order, the tag keeps it, and reading maps it back."""
+    import xser
+
+    state, vals = full_state()
+    names = [n for n, _s, _p in SHAPES]
+    decay = [n for n in names if "norm" not in n]
+    state.optim.groups = [({"lr": 0.1, "weight_decay": 0.01}, decay),
+                          ({"lr": 0.1, "weight_decay": 0.0}, [n for n in names if n not in decay])]
+    write_tag(state, str(tmp_path / "a"), TagSizes(2, 1, 2, True), converted_from={})
+    sd = xser.load(str(tmp_path / "a" / "optim" / "dp_rank_00_tp_rank_00_pp_rank_00.pt"))
+    assert [g["params"] for g in sd["param_groups"]] == [list(range(len(decay))),
+                                                          list(range(len(decay), len(names)))]
+    # as a tag written by save_checkpoint would be: no recorded names
+    man = json.loads((tmp_path / "a" / "manifest.json").read_text())
+    del man["optim_params"]
+    from nxd_ckpt import commit
+
+    body = json.dumps(man, indent=1).encode()
+    (tmp_path / "a" / "manifest.json").write_bytes(body)
+    (tmp_path / "a" / "done").write_bytes(commit.done_body(body))
+    back = read_tag(str(tmp_path / "a"))
+    for n in names:
+        assert_bit_equal(back.optim.params[n].moments["exp_avg"].checked(), vals[n][1], n)
+    assert [(h["weight_decay"], ns) for h, ns in back.optim.groups] == [(0.01, decay), (0.0, [n for n in names
+                                                                                            if n not in decay])]
