@@ -281,3 +281,56 @@ def test_weights_kept_as_master_weights_reshard_from_the_optimizer(tmp_path):
         for f in ("exp_avg", "exp_avg_sq"):
             _assert_bits(opt.base_state[i][f], ref_opt.base_state[i][f], f"{k} {f}")
         _assert_bits(opt.master[i], ref_opt.master[i], f"{k} master")
+
+
+# --- pipeline stages merged: PP=2 x TP=2 saved, loaded by one process (PP=1, TP=1) ---------------------------
+class _Stages(torch.nn.Module):
+    """Layers 0 and 1 of a two-layer model (full values seeded), each a column-parallel weight; ``stages`` says
+    which layers this pipeline stage holds. Keys keep the full model's names (``layers.<i>.w``)."""
+
+    def __init__(self, stages, tp_rank: int, tp: int):
+        super().__init__()
+        self.layers = torch.nn.ModuleDict()
+        for i in (0, 1):
+            full = torch.randn(8, 4, generator=torch.Generator().manual_seed(20 + i))
+            m = torch.nn.Module()
+            m.w = torch.nn.Parameter(split_tp(full, Partition(0), tp, tp_rank).clone())
+            m.w.tensor_model_parallel, m.w.partition_dim, m.w.partition_stride = True, 0, 1
+            if i in stages:
+                self.layers[str(i)] = m
+
+    def step(self, opt) -> None:
+        for k, p in self.named_parameters():
+            p.grad = torch.full_like(p, float(len(k)))
+        opt.step()
+
+
+def _save_pp2_tp2(rank, world, root):
+    import parallel_state as ps
+
+    import nxd_ckpt
+
+    ps.initialize_model_parallel(tensor_model_parallel_size=2, pipeline_model_parallel_size=2)
+    pp, t = ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank()
+    model = _Stages({pp}, t, 2)
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    model.step(opt)
+    nxd_ckpt.save_checkpoint(root, "s", model=model, optimizer=opt, use_xser=True)
+    return True
+
+
+def test_pipeline_stages_merge_on_load(tmp_path):
+    import nxd_ckpt
+
+    root = str(tmp_path / "ckpt")
+    run_ranks(_save_pp2_tp2, 4, root, timeout=120)
+    ref = _Stages({0, 1}, 0, 1)
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=0.1)
+    ref.step(ref_opt)
+    model = _Stages({0, 1}, 0, 1)
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    nxd_ckpt.load_checkpoint(root, "s", model=model, optimizer=opt)
+    for (k, p), q in zip(model.named_parameters(), ref.parameters()):
+        _assert_bits(p.data, q.data, k)
+        _assert_bits(opt.state[p]["exp_avg"], ref_opt.state[q]["exp_avg"], f"{k} exp_avg")
+        _assert_bits(opt.state[p]["exp_avg_sq"], ref_opt.state[q]["exp_avg_sq"], f"{k} exp_avg_sq")
