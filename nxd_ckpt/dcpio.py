@@ -377,6 +377,9 @@ def read_dcp(path: str, *, rules: Sequence[Tuple[str, int, int]] = (), trusted: 
     state = FullState(model, topology=dict(meta.get("topology") or {}))
     state.model_dtypes = {k: getattr(torch, v) for k, v in meta.get("model_dtypes", {}).items()}
     state.scheduler, state.user_content = meta.get("scheduler"), meta.get("user_content")
+    if not meta and kind == "torchtitan":     # a TorchTitan job's own checkpoint: its schedule and train state
+        state.scheduler = _values(r, "lr_scheduler") or None
+        state.user_content = _values(r, "train_state") or None
     if optimizer:
         state.optim = _read_optim(r, kind, {t.name: t for t in model})
         keys = meta.get("group_keys")
@@ -384,6 +387,11 @@ def read_dcp(path: str, *, rules: Sequence[Tuple[str, int, int]] = (), trusted: 
             state.optim.groups = [({k: h[k] for k in ks if k in h}, names)
                                   for ks, (h, names) in zip(keys, state.optim.groups)]
     return state
+
+
+def _values(r: _DcpReader, top: str) -> dict:
+    """{key: value} of the non-tensor entries under ``top`` (e.g. TorchTitan's ``train_state``)."""
+    return {str(p[1]): r.value(k) for k, p in r.paths.items() if len(p) == 2 and p[0] == top and not r.is_tensor(k)}
 
 
 def _read_meta(r: _DcpReader) -> dict:

@@ -282,3 +282,23 @@ def test_nxd_weight_decay_groups_map_by_group_order(tmp_path):
         assert_bit_equal(back.optim.params[n].moments["exp_avg"].checked(), vals[n][1], n)
     assert [(h["weight_decay"], ns) for h, ns in back.optim.groups] == [(0.01, decay), (0.0, [n for n in names
                                                                                             if n not in decay])]
+
+
+def test_from_dcp_of_a_torchtitan_checkpoint(tmp_path):
+    """A checkpoint in TorchTitan's keys (no nxd-ckpt entry): model at the top level, flat optimizer keys,
+    lr_scheduler and train_state, which become the tag's scheduler and user content."""
+    w = {"layers.0.w": torch.randn(4, 6), "layers.1.w": torch.randn(4, 6)}
+    optim = {}
+    for n, t in w.items():
+        optim.update({f"state.{n}.step": torch.tensor(3.0), f"state.{n}.exp_avg": t * 2,
+                      f"state.{n}.exp_avg_sq": t * t, f"param_groups.{n}.lr": 0.01,
+                      f"param_groups.{n}.weight_decay": 0.1})
+    _dcp_save(tmp_path / "tt", {**w, "optimizer": optim, "lr_scheduler": {"last_epoch": 3},
+                                "train_state": {"step": 3, "ntokens_seen": 96}})
+    assert main(["from-dcp", str(tmp_path / "tt"), str(tmp_path / "t"), "--tp", "2", "--partition", "*.w=1",
+                 "--dp", "2", "--zero1"]) == 0
+    back = read_tag(str(tmp_path / "t"))
+    assert_bit_equal({t.name: t.checked() for t in back.model}, w)
+    assert_bit_equal(back.optim.params["layers.1.w"].moments["exp_avg"].checked(), w["layers.1.w"] * 2)
+    assert back.optim.groups == [({"lr": 0.01, "weight_decay": 0.1}, ["layers.0.w", "layers.1.w"])]
+    assert back.scheduler == {"last_epoch": 3} and back.user_content == {"step": 3, "ntokens_seen": 96}
