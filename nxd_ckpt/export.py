@@ -225,7 +225,8 @@ class _Masters:
         refs = [reader.refs(f) for f in self.files]
         for f, r in zip(self.files, refs):
             if masters.MASTERS not in r:
-                raise ExportError(f"{reader.path(f)} has no sharded_master_weights, which hold this tag's model weights")
+                raise ExportError(f"{reader.path(f)} has no sharded_master_weights, which hold this tag's model "
+                                  "weights")
         self.refs = [r[masters.MASTERS] for r in refs]
         self.shape_info = refs[0]["shape_info"]
         self.index = self._index(shard)

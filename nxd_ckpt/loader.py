@@ -367,7 +367,8 @@ def _read_masters(reader: FileReader, saved: dict, world: World, replicas: List[
     ``d % len(replicas)`` (any DP size now), the others receive it in ``_share``."""
     c = world.topology.coords(world.rank)
     # ZeRO-1 at DP=1 has the name of a plain optimizer shard: one file
-    shards = saved.get("zero1_shards") or int(reader.exists(f"{layout.OPTIM_DIR}/{layout.shard_filename(0, c.tp, c.pp)}"))
+    first = f"{layout.OPTIM_DIR}/{layout.shard_filename(0, c.tp, c.pp)}"
+    shards = saved.get("zero1_shards") or int(reader.exists(first))
     if not shards:
         raise CorruptCheckpointError(
             f"checkpoint {reader.tag!r} keeps its model weights as ZeRO-1 master weights "
