@@ -302,3 +302,16 @@ def test_from_dcp_of_a_torchtitan_checkpoint(tmp_path):
     assert_bit_equal(back.optim.params["layers.1.w"].moments["exp_avg"].checked(), w["layers.1.w"] * 2)
     assert back.optim.groups == [({"lr": 0.01, "weight_decay": 0.1}, ["layers.0.w", "layers.1.w"])]
     assert back.scheduler == {"last_epoch": 3} and back.user_content == {"step": 3, "ntokens_seen": 96}
+
+
+def test_export_import_export_same_bytes(tmp_path):
+    """export -> import (at other sizes) -> export: the safetensors files are byte for byte the same."""
+    state, _ = full_state()
+    write_tag(state, str(tmp_path / "a"), TagSizes(2, 2, 1, False), converted_from={})
+    assert main(["export", str(tmp_path / "a"), "--output", str(tmp_path / "hf1"), "--max-shard-size", "2KB"]) == 0
+    assert main(["import", str(tmp_path / "hf1"), str(tmp_path / "b"), "--tp", "4", "--preset", "llama"]) == 0
+    assert main(["export", str(tmp_path / "b"), "--output", str(tmp_path / "hf2"), "--max-shard-size", "2KB"]) == 0
+    files = sorted(os.listdir(tmp_path / "hf1"))
+    assert len(files) > 2 and files == sorted(os.listdir(tmp_path / "hf2"))
+    for f in files:
+        assert (tmp_path / "hf1" / f).read_bytes() == (tmp_path / "hf2" / f).read_bytes(), f
