@@ -244,6 +244,21 @@ def _merge_groups(groups: List[Tuple[dict, List[str]]]) -> List[Tuple[dict, List
 NXD_NO_DECAY = ("bias", "norm")   # NxD's Llama example: get_param_groups_by_weight_decay's no-decay names
 
 
+def param_orders(keys: List[str], sizes: List[int], count: int, recorded: Optional[List[str]] = None) -> List[List[str]]:
+    """The candidate model keys of optimizer indices 0..count-1 (optimizers number parameters group by group):
+    ``recorded`` names; with one group, ``keys`` (the model's parameter order); with two groups sized like NxD's
+    weight-decay split, the names without 'bias'/'norm' then those with. The caller checks shapes to choose."""
+    decay = [k for k in keys if not any(nd in k for nd in NXD_NO_DECAY)]
+    candidates = []
+    if recorded is not None and len(recorded) == count and set(recorded) <= set(keys):
+        candidates.append(list(recorded))
+    if len(sizes) == 1 and count == len(keys):
+        candidates.append(list(keys))
+    if len(sizes) == 2 and sizes == [len(decay), len(keys) - len(decay)]:
+        candidates.append(decay + [k for k in keys if k not in decay])
+    return candidates
+
+
 def _param_names(f: _OptimFile, keys: List[str], model: Dict[str, TensorSource], ntp: int, zero1: bool,
                  reader: CheckedReader) -> List[str]:
     """The model key of each optimizer parameter index of one stage. Optimizers number parameters group by
@@ -254,15 +269,7 @@ def _param_names(f: _OptimFile, keys: List[str], model: Dict[str, TensorSource],
     sizes = [len(g["params"]) for g in data["param_groups"]]
     count = len(data["shape_info"]) if zero1 else sum(sizes)
     recorded = ((reader.manifest or {}).get("optim_params") or {}).get(f.rel)
-    decay = [k for k in keys if not any(nd in k for nd in NXD_NO_DECAY)]
-    candidates = []
-    if recorded is not None and len(recorded) == count and set(recorded) <= set(keys):
-        candidates.append(list(recorded))
-    if len(sizes) == 1 and count == len(keys):
-        candidates.append(list(keys))
-    if len(sizes) == 2 and sizes == [len(decay), len(keys) - len(decay)]:
-        candidates.append(decay + [k for k in keys if k not in decay])
-    for order in candidates:
+    for order in param_orders(keys, sizes, count, recorded):
         if not zero1 or all(tuple(int(d) for d in data["shape_info"][i]) == _local_shape(model[k], ntp)
                             for i, k in enumerate(order)):
             return order

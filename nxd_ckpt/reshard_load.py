@@ -36,6 +36,7 @@ import xser
 
 from . import hostgroups, layout, masters
 from .errors import StateMismatchError, TopologyMismatchError
+from .fullstate import param_orders
 from .partition import (Partition, PartitionError, copy_tp_overlap, make_piece, piece_rows, rows_tail,
                         tp_overlaps, zero1_shard, zero1_unshard)
 from .reader import FileReader
@@ -306,50 +307,71 @@ def _recorded_index(shard: SourceShard, obj, default: int) -> int:
     return default
 
 
-def _param_index(src: Source, target: Target) -> Dict[str, Tuple[int, int]]:
-    """key -> (source stage, optimizer index in that stage): a stage's parameters are its model keys that are
-    parameters (of any stage of the caller's model), in saved order."""
+def _param_index(src: Source, target: Target, zero1: bool) -> Dict[str, Tuple[int, int]]:
+    """key -> (source stage, optimizer index in that stage). A stage's parameters are its model keys that are
+    parameters (of any stage of the caller's model), numbered as the saved optimizer numbers them: the names a
+    converter recorded, the model's order (one param group) or NxD's weight-decay split (fullstate.param_orders),
+    checked against the ZeRO-1 ``shape_info``."""
     out = {}
     for p in range(src.sizes.pp):
-        params = [k for k in src.model(0, p).ref if k in target.all_params]
-        for j, k in enumerate(params):
-            out[k] = (p, j)
+        first = src.model(0, p)
+        keys = [k for k in first.ref if k in target.all_params]
+        osd = src.shard(layout.OPTIM_DIR, 0, 0, p)
+        sizes = [len(g["params"]) for g in osd.ref.get("param_groups", [])] or [len(keys)]
+        count = len(osd.ref["shape_info"]) if zero1 else sum(sizes)
+        recorded = ((src.manifest or {}).get("optim_params") or {}).get(osd.relpath)
+        order = _first_fitting(param_orders(keys, sizes, count, recorded),
+                               lambda i, k: not zero1 or tuple(osd.ref["shape_info"][i]) == first.shape(first.ref[k]))
+        if order is None:
+            raise StateMismatchError(
+                f"{osd.relpath} holds the state of {count} parameters in param groups of sizes {sizes}, which matches "
+                f"neither the {len(keys)} parameters of its model shard in order nor NxD's weight-decay grouping: the "
+                "optimizer state cannot be mapped to parameters to reshard it; load the model alone (optimizer=None)")
+        out.update((k, (p, j)) for j, k in enumerate(order))
     return out
+
+
+def _first_fitting(candidates: List[List[str]], fits: Callable[[int, str], bool]) -> Optional[List[str]]:
+    return next((c for c in candidates if all(fits(i, k) for i, k in enumerate(c))), None)
 
 
 # --- optimizer ----------------------------------------------------------------------------------------
 def read_optimizer(src: Source, target: Target, index: Dict[str, Tuple[int, int]], zero1: bool, optimizer) -> dict:
-    _check_optimizer_order(optimizer, target, zero1)
-    missing = [k for k in target.params if k not in index]
+    order = _target_order(optimizer, target, zero1)
+    missing = [k for k in order if k not in index]
     if missing:
         raise StateMismatchError(f"the checkpoint has no optimizer state for parameters {missing[:5]}: they are not "
                                  "in its model shards; load the optimizer of a checkpoint saved from this model")
     groups = _param_groups(src, optimizer)
     if zero1:
-        return _read_zero1(src, target, index, groups)
-    return _read_plain(src, target, index, groups)
+        return _read_zero1(src, target, index, groups, order)
+    return _read_plain(src, target, index, groups, order)
 
 
-def _check_optimizer_order(optimizer, target: Target, zero1: bool) -> None:
-    """The new optimizer's index i must be the model's i-th parameter (named_parameters order)."""
+def _target_order(optimizer, target: Target, zero1: bool) -> List[str]:
+    """The model key of each of the new optimizer's indices: by identity of a torch optimizer's parameters; else
+    the model's parameter order or NxD's weight-decay split, whichever fits its ZeRO-1 ``shape_info``."""
     if isinstance(optimizer, torch.optim.Optimizer):
+        name_of = dict(zip(target.param_ids, target.params))
         ids = [id(q) for g in optimizer.param_groups for q in g["params"]]
-        if ids != target.param_ids:
-            raise StateMismatchError(
-                "the optimizer's parameters are not the model's parameters in named_parameters() order; resharding "
-                "maps optimizer state to parameters by that order: build the optimizer over model.parameters()")
-        return
+        if not all(i in name_of for i in ids):
+            raise StateMismatchError("the optimizer holds parameters that are not the model's; resharding maps "
+                                     "optimizer state to the model's parameters: build it over model.parameters()")
+        return [name_of[i] for i in ids]
     sd = optimizer if isinstance(optimizer, dict) else optimizer.state_dict()
     shapes = sd.get("shape_info") if zero1 and isinstance(sd, dict) else None
-    if shapes is None:
-        return
-    have = [tuple(shapes[i]) for i in sorted(shapes)]
-    want = [target.shapes[k] for k in target.params]
-    if have != want:
+    sizes = [len(g["params"]) for g in sd.get("param_groups", [])] if isinstance(sd, dict) else []
+    count = len(shapes) if shapes is not None else sum(sizes)
+    if not sizes:
+        return list(target.params)
+    order = _first_fitting(param_orders(target.params, sizes, count),
+                           lambda i, k: shapes is None or tuple(shapes[i]) == target.shapes[k])
+    if order is None:
         raise StateMismatchError(
-            f"the optimizer's parameter shapes {have[:6]}... are not the model's parameters in named_parameters() "
-            f"order {want[:6]}...; resharding maps optimizer state to parameters by that order: build the optimizer "
-            "over model.parameters()")
+            f"the optimizer's {count} parameters (param groups of sizes {sizes}) are not the model's parameters in "
+            "named_parameters() order nor in NxD's weight-decay grouping; resharding maps optimizer state to "
+            "parameters by that order: build the optimizer over model.parameters()")
+    return order
 
 
 def _param_groups(src: Source, optimizer) -> List[dict]:
@@ -362,10 +384,10 @@ def _param_groups(src: Source, optimizer) -> List[dict]:
     return [dict(s, params=list(m["params"])) for s, m in zip(saved, mine)]
 
 
-def _read_zero1(src: Source, target: Target, index, groups) -> dict:
+def _read_zero1(src: Source, target: Target, index, groups, order: List[str]) -> dict:
     has_masters = "sharded_master_weights" in src.shard(layout.OPTIM_DIR, 0, 0, 0).ref
     jobs = [(4 * _nbytes(target.shapes[key]), lambda i=i, key=key: _zero1_param(src, target, index, i, key, has_masters))
-            for i, key in enumerate(target.params)]
+            for i, key in enumerate(order)]
     base, shapes, masters = {}, {}, {}
     for i, (entry, shape, master) in enumerate(_run_bounded(jobs, src.workers, src.inflight_bytes)):
         base[i], shapes[i] = entry, shape
@@ -418,9 +440,9 @@ def _get(obj, path):
     return obj
 
 
-def _read_plain(src: Source, target: Target, index, groups) -> dict:
+def _read_plain(src: Source, target: Target, index, groups, order: List[str]) -> dict:
     state = {}
-    for i, key in enumerate(target.params):
+    for i, key in enumerate(order):
         p, j = index[key]
         first = src.model(0, p)
         part = _partition_of(key, first.partition(first.ref[key]), target)
@@ -460,7 +482,7 @@ def read_resharded(reader: FileReader, manifest: Optional[dict], saved: dict, ta
     if (zero1 or src.from_masters) and not src.sizes.dp:
         raise StateMismatchError(f"checkpoint {reader.tag!r}: the number of ZeRO-1 optimizer shards is unknown")
     try:
-        index = _param_index(src, target)
+        index = _param_index(src, target, zero1) if optimizer is not None or src.from_masters else {}
         if want_model:
             out["model"] = read_model(src, target, index)
         if optimizer is not None:

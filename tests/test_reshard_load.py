@@ -189,12 +189,13 @@ class _TPModel(torch.nn.Module):
     """TP rank ``tp_rank`` of ``tp``'s shard of one full model (seeded): col (16, 8) split along dim 0 with
     stride 2, row (8, 16) along dim 1, norm (8) replicated."""
 
-    def __init__(self, tp_rank: int, tp: int):
+    def __init__(self, tp_rank: int, tp: int, norm_first: bool = False):
         super().__init__()
         g = torch.Generator().manual_seed(11)
         full = {"col": torch.randn(16, 8, generator=g), "row": torch.randn(8, 16, generator=g), "norm": torch.randn(8, generator=g)}
         self.parts = {"col": Partition(0, 2), "row": Partition(1), "norm": None}
-        for k, v in full.items():
+        for k in (["norm", "col", "row"] if norm_first else list(full)):   # parameter (and state dict) order
+            v = full[k]
             p = torch.nn.Parameter(split_tp(v, self.parts[k], tp, tp_rank).clone())
             if self.parts[k] is not None:
                 p.tensor_model_parallel, p.partition_dim, p.partition_stride = True, self.parts[k].dim, self.parts[k].stride
@@ -203,37 +204,48 @@ class _TPModel(torch.nn.Module):
     def step(self, opt, tp_rank: int, tp: int) -> None:
         """One Adam step with gradients that are the TP split of one full (seeded) gradient."""
         g = torch.Generator().manual_seed(12)
-        for k, p in self.named_parameters():
+        for k, p in sorted(self.named_parameters(), key=lambda kv: ["col", "row", "norm"].index(kv[0])):
             full = torch.randn(p.shape[0] * (tp if k == "col" else 1), p.shape[-1] * (tp if k == "row" else 1),
                                generator=g) if p.dim() == 2 else torch.randn(p.shape, generator=g)
             p.grad = split_tp(full, self.parts[k], tp, tp_rank).clone()
         opt.step()
 
 
-def _save_plain_tp2(rank, world, root):
+def _weight_decay_groups(model):
+    """NxD's Llama example grouping: parameters without 'bias'/'norm' in their names (decayed), then the rest."""
+    named = list(model.named_parameters())
+    return [{"params": [p for k, p in named if "norm" not in k], "weight_decay": 0.01},
+            {"params": [p for k, p in named if "norm" in k], "weight_decay": 0.0}]
+
+
+def _save_plain_tp2(rank, world, root, groups=False):
     import parallel_state as ps
 
     import nxd_ckpt
 
     ps.initialize_model_parallel(tensor_model_parallel_size=2)
     t = ps.get_tensor_model_parallel_rank()
-    model = _TPModel(t, 2)
-    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    model = _TPModel(t, 2, norm_first=groups)
+    opt = torch.optim.Adam(_weight_decay_groups(model) if groups else model.parameters(), lr=0.1)
     model.step(opt, t, 2)
     nxd_ckpt.save_checkpoint(root, "s", model=model, optimizer=opt)
     return True
 
 
-def test_plain_adam_state_follows_its_parameter_tp2_to_tp1(tmp_path):
+@pytest.mark.parametrize("groups", [False, True], ids=["one_group", "nxd_weight_decay_groups"])
+def test_plain_adam_state_follows_its_parameter_tp2_to_tp1(tmp_path, groups):
+    """With NxD's weight-decay groups the optimizer numbers parameters group by group (col, row, then norm),
+    unlike the model's order (norm, col, row): the state still lands on the right parameters."""
     import nxd_ckpt
 
     root = str(tmp_path / "ckpt")
-    run_ranks(_save_plain_tp2, 2, root, timeout=120)
-    ref = _TPModel(0, 1)
-    ref_opt = torch.optim.Adam(ref.parameters(), lr=0.1)
+    run_ranks(_save_plain_tp2, 2, root, groups, timeout=120)
+    make = (lambda m: torch.optim.Adam(_weight_decay_groups(m) if groups else m.parameters(), lr=0.1))  # noqa: E731
+    ref = _TPModel(0, 1, norm_first=groups)
+    ref_opt = make(ref)
     ref.step(ref_opt, 0, 1)                     # the same step on the full model (Adam is elementwise)
-    model = _TPModel(0, 1)
-    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    model = _TPModel(0, 1, norm_first=groups)
+    opt = make(model)
     nxd_ckpt.load_checkpoint(root, "s", model=model, optimizer=opt)
     for (k, p), q in zip(model.named_parameters(), ref.parameters()):
         _assert_bits(p.data, q.data, k)
