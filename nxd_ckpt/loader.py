@@ -340,7 +340,10 @@ def _read_dcp(reader: FileReader, world: World, model, optimizer) -> dict:
     topo = world.topology
     c = topo.coords(world.rank)
     coords = zero1_dcp.Coords(c.pp, c.tp, c.dp, topo.pp, topo.tp, topo.dp)
-    return zero1_dcp.load_state(meta, read_blob, names, coords, where)
+    state = zero1_dcp.load_state(meta, read_blob, names, coords, where)
+    live = optimizer.state_dict().get("param_groups") if hasattr(optimizer, "state_dict") else None
+    state["param_groups"] = zero1_dcp.fit_param_groups(state["param_groups"], live)
+    return state
 
 
 def _master_tids(reader: FileReader, rel: str):

@@ -256,6 +256,16 @@ def load_state(meta, read_blob, names: Dict[int, str], c: Coords, where: str) ->
             "base_state": dict(sorted(base.items())), "shape_info": dict(sorted(shape_info.items()))}
 
 
+def fit_param_groups(saved: List[dict], live: Optional[List[dict]]) -> List[dict]:
+    """The saved param groups with this rank's ``params`` lists. ``param_groups.*`` entries are stored once for
+    every pipeline stage (their keys do not carry the stage, in NxD's layout either), so a stage other than the
+    one that wrote them gets its own parameter numbering from the live optimizer, with the saved
+    hyperparameters."""
+    if not live:
+        return saved
+    return [dict(saved[i] if i < len(saved) else g, params=list(g["params"])) for i, g in enumerate(live)]
+
+
 def _index(meta, fqn: str, offsets):
     from torch.distributed.checkpoint.metadata import MetadataIndex
 

@@ -153,3 +153,55 @@ def test_dcp_refuses_master_weights(tmp_path):
         nxd_ckpt.save_checkpoint(str(tmp_path), "s", model=model, optimizer=opt, async_save=True,
                                  use_zero1_dcp=True)
     assert os.listdir(tmp_path) == []
+
+
+class _Head(torch.nn.Module):
+    """A second pipeline stage whose parameter names differ from the first's."""
+
+    def __init__(self, offset):
+        super().__init__()
+        g = torch.Generator().manual_seed(50 + offset)
+        self.head = torch.nn.Parameter(torch.randn(5, 6, generator=g))
+        self.norm = torch.nn.Parameter(torch.randn(6, generator=g))
+
+
+def _pp_rank(rank, world, root, save):
+    import parallel_state as ps
+
+    from nxd_ckpt.testing import ZeroOneAdam
+
+    ps.initialize_model_parallel(pipeline_model_parallel_size=2)
+    pp = ps.get_pipeline_model_parallel_rank()
+
+    def build(offset):
+        model = TinyShard(hidden=6, seed_offset=offset, device="cpu") if pp == 0 else _Head(offset)
+        return model, ZeroOneAdam(model.parameters(), dp_group=ps.get_data_parallel_host_group(),
+                                  dp_rank=ps.get_data_parallel_rank(), dp_size=ps.get_data_parallel_size(),
+                                  save_master_weights=False)
+
+    if save:
+        model, opt = build(0)
+        for p in model.parameters():
+            p.grad = torch.full_like(p, 0.1 * (ps.get_data_parallel_rank() + 1))
+        opt.step()
+        nxd_ckpt.save_checkpoint(root, "s", model=model, optimizer=opt, async_save=True, use_zero1_dcp=True)
+        nxd_ckpt.finalize_checkpoint()
+    model, opt = build(3)
+    nxd_ckpt.load_checkpoint(root, "s", model=model, optimizer=opt)
+    return pp, to_cpu_state(opt.state_dict())
+
+
+def test_pp2_stages_with_different_names_saved_at_dp2_load_at_dp1(tmp_path):
+    root = str(tmp_path / "ck")
+    saved = run_ranks(_pp_rank, 4, root, True, timeout=240)    # ranks: pp = rank // 2, dp = rank % 2
+    from torch.distributed.checkpoint import FileSystemReader
+
+    keys = set(FileSystemReader(os.path.join(root, "s", "optim")).read_metadata().state_dict_metadata)
+    assert {"base_state.up.exp_avg|pp-0000", "base_state.head.exp_avg|pp-0001", "base_state.norm.step"} <= keys
+    loaded = run_ranks(_pp_rank, 2, root, False, timeout=240)   # PP=2, DP=1
+    for pp, state in loaded:
+        stage = [s for p, s in saved if p == pp]
+        for i in state["base_state"]:
+            for key in ("exp_avg", "exp_avg_sq"):
+                assert_bit_equal(_full(stage, key, i), state["base_state"][i][key], f"pp {pp} param {i} {key}")
+        assert state["shape_info"] == stage[0]["shape_info"]
