@@ -318,5 +318,5 @@ def assign_stages(names: Sequence[str], pp: int) -> Dict[str, int]:
 
 
 __all__ = ["Partition", "PartitionError", "join_tp", "split_tp", "split_tp_all", "tp_shard_shape", "zero1_shard",
-           "zero1_shard_all", "zero1_unshard", "zero1_piece_shape", "rows_tail", "piece_rows", "merge_tp", "layer_index", "tp_overlaps", "copy_tp_overlap",
-           "assign_stages", "make_piece"]
+           "zero1_shard_all", "zero1_unshard", "zero1_piece_shape", "rows_tail", "piece_rows", "merge_tp",
+           "layer_index", "tp_overlaps", "copy_tp_overlap", "assign_stages", "make_piece"]

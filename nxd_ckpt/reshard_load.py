@@ -72,7 +72,8 @@ def check_reshardable(tag: str, saved: dict, world: World, has_model: bool, load
     if saved.get("ep", 1) != 1 or topo.ep != 1 or topo.cp != 1:
         raise TopologyMismatchError(
             f"checkpoint {tag!r} (EP={saved.get('ep', 1)}) cannot be resharded into this job (EP={topo.ep}, "
-            f"CP={topo.cp}): load-time resharding handles TP, PP and DP with EP=1 and CP=1; relaunch with the saved sizes")
+            f"CP={topo.cp}): load-time resharding handles TP, PP and DP with EP=1 and CP=1; relaunch with the saved "
+            "sizes")
     if not has_model:
         raise TopologyMismatchError(
             f"checkpoint {tag!r} was saved at other parallel sizes; resharding needs the model (model=, an "
@@ -377,7 +378,8 @@ def _target_order(optimizer, target: Target, zero1: bool) -> List[str]:
 def _param_groups(src: Source, optimizer) -> List[dict]:
     """The optimizer's own param_groups (its ``params`` lists) with the saved hyperparameters."""
     saved = src.shard(layout.OPTIM_DIR, 0, 0, 0).ref.get("param_groups", [])
-    mine = optimizer.state_dict()["param_groups"] if hasattr(optimizer, "state_dict") else optimizer.get("param_groups", saved)
+    mine = (optimizer.state_dict()["param_groups"] if hasattr(optimizer, "state_dict")
+            else optimizer.get("param_groups", saved))
     if len(saved) != len(mine):
         raise StateMismatchError(f"the checkpoint's optimizer has {len(saved)} param groups, this optimizer "
                                  f"{len(mine)}; build it with the same groups")
@@ -386,8 +388,8 @@ def _param_groups(src: Source, optimizer) -> List[dict]:
 
 def _read_zero1(src: Source, target: Target, index, groups, order: List[str]) -> dict:
     has_masters = "sharded_master_weights" in src.shard(layout.OPTIM_DIR, 0, 0, 0).ref
-    jobs = [(4 * _nbytes(target.shapes[key]), lambda i=i, key=key: _zero1_param(src, target, index, i, key, has_masters))
-            for i, key in enumerate(order)]
+    jobs = [(4 * _nbytes(target.shapes[key]),
+             lambda i=i, key=key: _zero1_param(src, target, index, i, key, has_masters)) for i, key in enumerate(order)]
     base, shapes, masters = {}, {}, {}
     for i, (entry, shape, master) in enumerate(_run_bounded(jobs, src.workers, src.inflight_bytes)):
         base[i], shapes[i] = entry, shape
@@ -444,24 +446,26 @@ def _read_plain(src: Source, target: Target, index, groups, order: List[str]) ->
     state = {}
     for i, key in enumerate(order):
         p, j = index[key]
-        first = src.model(0, p)
-        part = _partition_of(key, first.partition(first.ref[key]), target)
         saved = src.shard(layout.OPTIM_DIR, 0, 0, p).ref.get("state", {}).get(j)
-        if saved is None:
-            continue    # no state yet for this parameter (never stepped)
-        src_shape = first.shape(first.ref[key])
-        entry = {}
-        for name, v in saved.items():
-            if isinstance(v, (torch.Tensor, xser.TensorReference)) and \
-                    src.shard(layout.OPTIM_DIR, 0, 0, p).shape(v) == src_shape and len(src_shape) > 0:
-                entry[name] = reshard_tensor(
-                    key, src_shape, part, target.shapes[key], src.sizes.tp,
-                    lambda r, name=name: src.shard(layout.OPTIM_DIR, 0, r, p).load(
-                        src.shard(layout.OPTIM_DIR, 0, r, p).ref["state"][j][name]), target)
-            else:
-                entry[name] = src.shard(layout.OPTIM_DIR, 0, 0, p).load(v)
-        state[i] = entry
+        if saved is not None:       # else: no state yet for this parameter (never stepped)
+            state[i] = {name: _plain_entry(src, target, key, p, j, name, v) for name, v in saved.items()}
     return {"state": state, "param_groups": groups}
+
+
+def _plain_entry(src: Source, target: Target, key: str, p: int, j: int, name: str, v):
+    """One entry of a plain optimizer's state of parameter ``key``: resharded like the parameter when it has the
+    parameter's shape (moments), else copied (``step``)."""
+    first, opt0 = src.model(0, p), src.shard(layout.OPTIM_DIR, 0, 0, p)
+    src_shape = first.shape(first.ref[key])
+    if not (isinstance(v, (torch.Tensor, xser.TensorReference)) and src_shape and opt0.shape(v) == src_shape):
+        return opt0.load(v)
+    part = _partition_of(key, first.partition(first.ref[key]), target)
+
+    def load(r: int) -> torch.Tensor:
+        shard = src.shard(layout.OPTIM_DIR, 0, r, p)
+        return shard.load(shard.ref["state"][j][name])
+
+    return reshard_tensor(key, src_shape, part, target.shapes[key], src.sizes.tp, load, target)
 
 
 # --- entry point ------------------------------------------------------------------------------------
