@@ -7,10 +7,10 @@ import os
 import time
 from typing import List, Optional
 
-from . import commit
+from . import commit, hostgroups
 from .capture import build_plan, validate_save_args
 from .engine import get_engine
-from .errors import CheckpointArgumentError, CheckpointNotFoundError, CorruptCheckpointError
+from .errors import CheckpointArgumentError, CheckpointNotFoundError, CorruptCheckpointError, RankFailureError
 from .loader import (agree, agreed_candidates, apply_ignore_keys, apply_model, apply_optimizer, check_model,
                      check_optimizer, copies_every_tensor, read_tag)
 from .storage import check_location, open_storage
@@ -40,13 +40,14 @@ def save_checkpoint(checkpoint_dir_str, tag, model=None, optimizer=None, schedul
                              num_kept_ckpts, async_save, zero1_optimizer, use_zero1_dcp,
                              avoid_saving_lower_precision_weights)
     root = check_location(checkpoint_dir_str)
-    _check_writable(root)
+    storage = open_storage(root, timeout_s=timeout_s, workers=num_workers)
+    if storage.caps.local:
+        _check_writable(root)
     if host_memory_budget is not None and (not isinstance(host_memory_budget, int) or host_memory_budget <= 0):
         raise CheckpointArgumentError(f"host_memory_budget must be a positive number of bytes, got {host_memory_budget!r}")
     engine = get_engine()
     engine.raise_pending()
     world = current_world()
-    storage = open_storage(root)
     plan = build_plan(world, model, optimizer, scheduler, user_content, use_xser, zero1_optimizer,
                       avoid_saving_lower_precision_weights, use_zero1_dcp)
     job = engine.start_job(world, storage, tag, plan, num_kept_ckpts, num_workers, timeout_s,
@@ -83,7 +84,7 @@ def finalize_checkpoint(*, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
 
 def load_checkpoint(path, tag=None, model=None, optimizer=None, scheduler=None, num_workers=8, strict=True,
                     use_zero1_dcp=False, *, ignore_keys=None, trusted: bool = False, node_local: bool = False,
-                    reshard: bool = True):
+                    reshard: bool = True, timeout_s: float = DEFAULT_TIMEOUT_S):
     """Load ``path/tag`` (newest complete when ``tag`` is None) into the given objects; return the saved
     user_content or None. Every rank calls it; ranks exchange shares over a host gloo group.
 
@@ -94,6 +95,8 @@ def load_checkpoint(path, tag=None, model=None, optimizer=None, scheduler=None, 
     its own copy of the checkpoint on local disk: each rank reads its own files). A checkpoint saved at
     other TP / PP / ZeRO-1 DP sizes is resharded into this job's sizes (needs ``model``); ``reshard=False``
     refuses it with TopologyMismatchError instead.
+    ``timeout_s``: how long any exchange waits for another rank (the same value on every rank); a rank that
+    does not answer in time makes every waiting rank raise RankFailureError.
     """
     root = check_location(path)
     if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
@@ -102,9 +105,23 @@ def load_checkpoint(path, tag=None, model=None, optimizer=None, scheduler=None, 
         raise CheckpointArgumentError(f"use_zero1_dcp must be True or False, got {use_zero1_dcp!r}")
     if not isinstance(reshard, bool):
         raise CheckpointArgumentError(f"reshard must be True or False, got {reshard!r}")
-    if not os.path.isdir(root):
+    storage = open_storage(root, timeout_s=timeout_s, workers=num_workers)
+    if not storage.isdir(""):
         raise CheckpointNotFoundError(f"checkpoint directory {root!r} does not exist")
-    storage = open_storage(path)
+    try:
+        with hostgroups.timeout(timeout_s):
+            return _load_newest(storage, root, tag, model, optimizer, scheduler, num_workers, strict, ignore_keys,
+                                trusted, node_local, reshard)
+    except RuntimeError as exc:
+        if "timed out" not in str(exc).lower() and "timeout" not in str(exc).lower():
+            raise
+        raise RankFailureError(
+            f"load_checkpoint from {root}: another rank did not answer within {timeout_s:.0f}s (hung or "
+            f"dead): {str(exc).splitlines()[0]}. Nothing was changed on this rank; check the other ranks' logs") from exc
+
+
+def _load_newest(storage, path, tag, model, optimizer, scheduler, num_workers, strict, ignore_keys, trusted,
+                 node_local, reshard):
     tags = agreed_candidates(storage, tag, node_local)
     world = current_world()
     engine = get_engine()
@@ -163,10 +180,10 @@ def has_checkpoint(checkpoint_dir_str) -> bool:
 
 def list_checkpoints(checkpoint_dir_str) -> List[str]:
     """Complete tags, newest first (by commit time); each loads with ``load_checkpoint(dir, tag)``."""
-    root = check_location(checkpoint_dir_str)
-    if not os.path.isdir(root):
+    storage = open_storage(check_location(checkpoint_dir_str))
+    if not storage.isdir(""):
         return []
-    return [tag for tag, _ in commit.loadable(open_storage(root))]
+    return [tag for tag, _ in commit.loadable(storage)]
 
 
 def newest_checkpoint(checkpoint_dir_str) -> Optional[str]:

@@ -264,7 +264,7 @@ def _call(func, args, prog: str) -> int:
     try:
         for name in _PATH_ARGS:
             if isinstance(getattr(args, name, None), str):
-                check_location(getattr(args, name))
+                check_location(getattr(args, name), offline_tool=True)
         return func(args)
     except (CheckpointError, xser.XserError, OSError, ValueError) as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)

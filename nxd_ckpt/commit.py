@@ -1,74 +1,159 @@
-"""The commit protocol: markers, manifest, atomic publish of a tag, the `newest` pointer, retention.
+"""The commit protocol: markers, manifest, publishing a tag, the `newest` pointer, retention.
 
-A save writes into ``<dir>/<tag>.nxdtmp/``. Once every rank has reported its files durable, rank 0
-writes ``manifest.json`` and ``done`` there (both fsynced) and renames the directory to ``<dir>/<tag>``;
-then replaces ``<dir>/newest``. A crash at any moment therefore leaves either the old state or the new
-complete tag, plus at worst a ``.nxdtmp`` directory that the next successful save deletes.
+Two strategies behind one interface (``CommitStrategy``), each with its crash-recovery rules:
+``RenameCommit`` (POSIX: stage in ``<tag>.nxdtmp/``, rename into place) and ``MarkerCommit`` (object
+stores: objects at their final keys, `done` last). ``strategy_for(storage)`` picks one from the
+storage's capabilities. In both, a crash at any moment leaves either the old state or the new complete
+tag, plus at worst debris that the next successful save deletes.
 """
 from __future__ import annotations
 
-import json
 import logging
-import time
 from dataclasses import dataclass
 from typing import Dict, Iterable, List, Optional, Set, Tuple
 
-import crc32c as _crc32c
-
 from . import layout
-from ._version import __version__
-from .storage import Storage
+from .manifest import Manifest, sealed, seal
+from .storage import AlreadyExistsError, Storage
 
 log = logging.getLogger("nxd_ckpt")
 
 STAGING_SUFFIX = layout.TMP_SUFFIX
 OLD_SUFFIX = layout.OLD_SUFFIX
-MANIFEST_FORMAT = "nxd-ckpt-manifest"
-MANIFEST_VERSION = 1
 
 
 def staging_name(tag: str) -> str:
     return f"{tag}{STAGING_SUFFIX}"
 
 
+class CommitConflictError(RuntimeError):
+    """Another job committed the same tag while this one was saving it."""
+
+
+class CommitStrategy:
+    """How a save becomes complete, and what a crash at any point leaves behind.
+
+    Every rank writes its files under ``workdir(tag)``; rank 0 calls ``prepare`` before any rank writes
+    and ``publish`` once every rank's files are durable; ``abandon`` removes a failed save's files;
+    ``recoverable``/``repair`` find and restore a complete version a crash left under another name."""
+
+    name = ""
+
+    def workdir(self, tag: str) -> str:
+        raise NotImplementedError
+
+    def prepare(self, storage: Storage, tag: str, busy: Iterable[str] = ()) -> None:
+        raise NotImplementedError
+
+    def publish(self, storage: Storage, tag: str, manifest: Manifest) -> None:
+        raise NotImplementedError
+
+    def abandon(self, storage: Storage, tag: str) -> None:
+        """Rank 0 after a failed save: remove what it wrote (never a complete tag)."""
+        work = self.workdir(tag)
+        if storage.exists(work) and not storage.isfile(f"{work}/{layout.DONE_MARKER}"):
+            delete_tag(storage, work)
+
+    def recoverable(self, storage: Storage, busy: Iterable[str] = ()) -> Dict[str, str]:
+        return {}
+
+    def repair(self, storage: Storage, busy: Iterable[str] = ()) -> List[str]:
+        return []
+
+
+class RenameCommit(CommitStrategy):
+    """POSIX: write into ``<tag>.nxdtmp/``; rank 0 writes the manifest and `done` there, then renames the
+    directory to ``<tag>`` (or swaps it in atomically when re-saving). Crash rules: a staging directory
+    without `done` is debris (removed by the next successful save); one with `done` is a complete
+    version whose rename was interrupted, and so is a ``.nxdold`` left by a re-save (``recoverable``)."""
+
+    name = "rename"
+
+    def workdir(self, tag: str) -> str:
+        return staging_name(tag)
+
+    def prepare(self, storage: Storage, tag: str, busy: Iterable[str] = ()) -> None:
+        staging = staging_name(tag)
+        self.repair(storage, busy)
+        if storage.exists(staging):
+            delete_tag(storage, staging)
+        storage.makedirs(staging)
+        storage.write_bytes(f"{staging}/{layout.CHECKPOINT_MARKER}", b"1")
+
+    def publish(self, storage: Storage, tag: str, manifest: Manifest) -> None:
+        staging = staging_name(tag)
+        body = manifest.body()
+        storage.write_bytes(f"{staging}/{layout.MANIFEST_FILE}", body)
+        storage.write_bytes(f"{staging}/{layout.DONE_MARKER}", seal(body))
+        storage.sync_dirs([staging])
+        if storage.exists(tag):
+            _replace_tag(storage, staging, tag)
+        else:
+            storage.rename(staging, tag)
+        storage.sync_dirs([""])
+        _update_newest(storage, tag)
+
+    def recoverable(self, storage: Storage, busy: Iterable[str] = ()) -> Dict[str, str]:
+        return _recoverable_renames(storage, busy)
+
+    def repair(self, storage: Storage, busy: Iterable[str] = ()) -> List[str]:
+        restored = []
+        for tag, name in sorted(self.recoverable(storage, busy).items()):
+            log.warning("nxd_ckpt: checkpoint %s was left as %s by a crash while it was published; restoring it",
+                        tag, name)
+            storage.rename(name, tag)
+            restored.append(tag)
+        if restored:
+            storage.sync_dirs([""])
+        return restored
+
+
+class MarkerCommit(CommitStrategy):
+    """Object stores (no rename): every object is written at its final key; rank 0 writes the manifest,
+    then `done` last (exclusively where the store supports it, so a second job committing the same tag
+    fails instead of interleaving). Crash rules: a tag is complete only with `done`, and `done` is
+    written after every rank's objects were acknowledged; a re-save deletes `done` first (and then the
+    previous version's objects), so no moment shows a mix of versions as complete; retention deletes
+    `done` first too. An interrupted save is an incomplete tag, removed by the next successful save."""
+
+    name = "marker"
+
+    def workdir(self, tag: str) -> str:
+        return tag
+
+    def prepare(self, storage: Storage, tag: str, busy: Iterable[str] = ()) -> None:
+        if storage.exists(tag):
+            delete_tag(storage, tag)        # `done` first: the old version is never complete-looking again
+        storage.write_bytes(f"{tag}/{layout.CHECKPOINT_MARKER}", b"1")
+
+    def publish(self, storage: Storage, tag: str, manifest: Manifest) -> None:
+        body = manifest.body()
+        storage.write_bytes(f"{tag}/{layout.MANIFEST_FILE}", body)
+        try:
+            storage.write_bytes(f"{tag}/{layout.DONE_MARKER}", seal(body), exclusive=storage.caps.create_exclusive)
+        except AlreadyExistsError:
+            raise CommitConflictError(
+                f"{storage.root}/{tag}/{layout.DONE_MARKER} appeared while this job was saving {tag!r}: another job "
+                "committed the same tag. Each job needs its own checkpoint directory or tags") from None
+        _update_newest(storage, tag)
+
+
+def strategy_for(storage: Storage) -> CommitStrategy:
+    """Rename where the storage can rename directories atomically (POSIX), markers elsewhere (objects)."""
+    return RenameCommit() if storage.caps.rename else MarkerCommit()
+
+
 def prepare_staging(storage: Storage, tag: str, busy: Iterable[str] = ()) -> None:
-    """Rank 0, before any rank writes: a fresh staging directory with NxD's `checkpoint` marker. Tags a
-    crash left under a suffixed name are restored first (``busy``: other saves in flight)."""
-    staging = staging_name(tag)
-    repair_interrupted(storage, busy)
-    if storage.exists(staging):
-        delete_tag(storage, staging)
-    storage.makedirs(staging)
-    storage.write_file(f"{staging}/{layout.CHECKPOINT_MARKER}", lambda f: f.write(b"1"))
+    """Rank 0, before any rank writes (see ``CommitStrategy.prepare``)."""
+    strategy_for(storage).prepare(storage, tag, busy)
 
 
-def build_manifest(tag: str, topology: dict, flags: dict, files: Dict[str, dict],
-                   tensors: Dict[str, dict]) -> dict:
-    return {
-        "format": MANIFEST_FORMAT,
-        "format_version": MANIFEST_VERSION,
-        "library_version": __version__,
-        "tag": tag,
-        "created_at": time.time(),
-        "topology": topology,
-        **flags,
-        "files": dict(sorted(files.items())),
-        "tensors": tensors,
-    }
+def publish(storage: Storage, tag: str, manifest: Manifest) -> None:
+    """Rank 0, after every rank's files are durable: manifest, `done`, into place, `newest`."""
+    strategy_for(storage).publish(storage, tag, manifest)
 
 
-def publish(storage: Storage, tag: str, manifest: dict) -> None:
-    """Rank 0, after every rank's files are durable: manifest, `done`, rename into place, `newest`."""
-    staging = staging_name(tag)
-    body = json.dumps(manifest, indent=1, sort_keys=False).encode()
-    storage.write_file(f"{staging}/{layout.MANIFEST_FILE}", lambda f: f.write(body))
-    storage.write_file(f"{staging}/{layout.DONE_MARKER}", lambda f: f.write(done_body(body)))
-    storage.sync_dirs([staging])
-    if storage.exists(tag):
-        _replace_tag(storage, staging, tag)
-    else:
-        storage.rename(staging, tag)
-    storage.sync_dirs([""])
+def _update_newest(storage: Storage, tag: str) -> None:
     try:
         write_newest(storage, tag)
     except Exception as exc:  # noqa: BLE001 - the tag is complete; `newest` is informational only
@@ -101,7 +186,7 @@ def _replace_tag(storage: Storage, staging: str, tag: str) -> None:
     delete_tag(storage, old)
 
 
-def recoverable_tags(storage: Storage, busy: Iterable[str] = ()) -> Dict[str, str]:
+def _recoverable_renames(storage: Storage, busy: Iterable[str] = ()) -> Dict[str, str]:
     """Tags whose name is missing after a crash during publish, mapped to the directory holding their
     newest complete version: ``<tag>.nxdtmp`` once it has `done` (every rank's files were durable and the
     manifest written), else the ``<tag>.nxdold`` that a re-save moved aside. ``busy``: tags being saved
@@ -118,77 +203,19 @@ def recoverable_tags(storage: Storage, busy: Iterable[str] = ()) -> Dict[str, st
     return found
 
 
+def recoverable_tags(storage: Storage, busy: Iterable[str] = ()) -> Dict[str, str]:
+    """Tags whose complete version a crash left under another name -> that name (``CommitStrategy``)."""
+    return strategy_for(storage).recoverable(storage, busy)
+
+
 def repair_interrupted(storage: Storage, busy: Iterable[str] = ()) -> List[str]:
     """Rank 0 of a saving job, before it creates staging directories or removes debris: give each
     ``recoverable_tags`` entry its name back. Returns the tags restored."""
-    restored = []
-    for tag, name in sorted(recoverable_tags(storage, busy).items()):
-        log.warning("nxd_ckpt: checkpoint %s was left as %s by a crash while it was published; restoring it",
-                    tag, name)
-        storage.rename(name, tag)
-        restored.append(tag)
-    if restored:
-        storage.sync_dirs([""])
-    return restored
+    return strategy_for(storage).repair(storage, busy)
 
 
 def write_newest(storage: Storage, tag: str) -> None:
-    storage.write_file(layout.NEWEST_FILE, lambda f: f.write(tag.encode()))
-
-
-_DONE_PREFIX = b"nxd-ckpt manifest"
-
-
-def done_body(manifest_body: bytes) -> bytes:
-    """What nxd-ckpt writes into `done` (NxD only checks that it exists): the manifest's size and CRC32C,
-    so a tag that lost its manifest, or whose manifest changed, is recognised as damaged."""
-    return b"%s size=%d crc32c=%08x\n" % (_DONE_PREFIX, len(manifest_body), _crc32c.crc32c(manifest_body))
-
-
-def _sealed(done: Optional[bytes]) -> Optional[Tuple[int, str]]:
-    """(size, crc32c) of the manifest recorded in a `done` body, or None for NxD's (and older) markers."""
-    if not done or not done.startswith(_DONE_PREFIX):
-        return None
-    fields = dict(f.split(b"=", 1) for f in done.split()[2:] if b"=" in f)
-    try:
-        return int(fields[b"size"]), fields[b"crc32c"].decode()
-    except (KeyError, ValueError, UnicodeDecodeError):
-        return -1, ""    # ours, but the record itself is damaged: nothing will match it
-
-
-def parse_manifest(body: Optional[bytes], done: Optional[bytes], where: str) -> Optional[dict]:
-    """The manifest of a tag from the bytes of its manifest file (None: no file) and of its `done`
-    (None: none). None when the tag has no manifest and `done` does not name one (a neuronx-distributed
-    checkpoint). ValueError, saying what is wrong, when it is missing, altered or not a manifest."""
-    sealed = _sealed(done)
-    if body is None:
-        if sealed is not None:
-            raise ValueError(f"{where}/{layout.MANIFEST_FILE} is missing although `done` records one")
-        return None
-    if sealed is not None:
-        found = (len(body), f"{_crc32c.crc32c(body):08x}")
-        if found != sealed:
-            raise ValueError(f"{where}/{layout.MANIFEST_FILE} does not match the size and crc32c recorded in `done` "
-                             f"(expected {sealed[0]} bytes, crc32c {sealed[1]}; found {found[0]}, {found[1]})")
-    data = json.loads(body)
-    if not isinstance(data, dict) or data.get("format") != MANIFEST_FORMAT:
-        raise ValueError(f"{where}/{layout.MANIFEST_FILE} is not an nxd-ckpt manifest")
-    wrong = [k for k, kind in _MANIFEST_FIELDS.items() if not isinstance(data.get(k), kind)]
-    if wrong:
-        raise ValueError(f"{where}/{layout.MANIFEST_FILE} lacks or garbles the fields {wrong}")
-    return data
-
-
-_MANIFEST_FIELDS = {"topology": dict, "files": dict, "tensors": dict, "zero1": bool, "xser": bool}
-
-
-def read_manifest(storage: Storage, tag: str) -> Optional[dict]:
-    """The tag's manifest, or None when it has none (NxD checkpoints). ValueError when it is missing
-    although `done` records one, altered, or unreadable."""
-    rel = f"{tag}/{layout.MANIFEST_FILE}"
-    done = f"{tag}/{layout.DONE_MARKER}"
-    body = storage.read_bytes(rel) if storage.exists(rel) else None
-    return parse_manifest(body, storage.read_bytes(done) if storage.exists(done) else None, tag)
+    storage.write_bytes(layout.NEWEST_FILE, tag.encode())
 
 
 def expects_manifest(storage: Storage, tag: str) -> bool:
@@ -197,7 +224,7 @@ def expects_manifest(storage: Storage, tag: str) -> bool:
     neuronx-distributed tags committed before nxd-ckpt first saved here still load without one."""
     if storage.exists(f"{tag}/{layout.MANIFEST_FILE}") or not storage.exists(f"{tag}/{layout.DONE_MARKER}"):
         return False
-    if _sealed(storage.read_bytes(f"{tag}/{layout.DONE_MARKER}")) is not None:
+    if sealed(storage.read_bytes(f"{tag}/{layout.DONE_MARKER}")) is not None:
         return True
     try:
         if storage.read_bytes(layout.NEWEST_FILE).decode().strip() == tag:
@@ -234,17 +261,33 @@ def scan_tags(storage: Storage) -> List[TagInfo]:
         if not _is_tag_dir(storage, name) and not (complete and (
                 _has_state_dirs(storage, name) or storage.exists(f"{name}/{layout.CHECKPOINT_MARKER}"))):
             continue
-        when = storage.mtime(done) if complete else storage.mtime(name)
+        when = storage.mtime(done) if complete else _dir_mtime(storage, name)
         out.append(TagInfo(name, complete, when, storage.exists(f"{name}/{layout.MANIFEST_FILE}")))
     out.sort(key=lambda t: (t.committed_at, _natural_key(t.tag)), reverse=True)
     return out
 
 
+def _dir_mtime(storage: Storage, name: str) -> float:
+    """When an incomplete tag was last touched: the directory's mtime, or (object stores have no
+    directories) its `checkpoint` marker's."""
+    for rel in (name, f"{name}/{layout.CHECKPOINT_MARKER}"):
+        try:
+            return storage.mtime(rel)
+        except FileNotFoundError:
+            continue
+    return 0.0
+
+
 def _is_tag_dir(storage: Storage, name: str) -> bool:
-    """True for what retention may delete: ours (a manifest) or NxD's (`checkpoint` + model/ or optim/)."""
+    """True for what retention may delete: ours (a manifest) or NxD's (`checkpoint` + model/ or optim/). On
+    an object store also a prefix holding nothing but `checkpoint`: a delete (or a save) interrupted after
+    everything else went (before anything else came)."""
     if storage.exists(f"{name}/{layout.MANIFEST_FILE}"):
         return True
-    return storage.exists(f"{name}/{layout.CHECKPOINT_MARKER}") and _has_state_dirs(storage, name)
+    if not storage.exists(f"{name}/{layout.CHECKPOINT_MARKER}"):
+        return False
+    return _has_state_dirs(storage, name) or (not storage.caps.rename
+                                              and storage.listdir(name) == [layout.CHECKPOINT_MARKER])
 
 
 def _has_state_dirs(storage: Storage, name: str) -> bool:
@@ -273,13 +316,18 @@ def complete_tags(storage: Storage) -> List[str]:
 
 
 def delete_tag(storage: Storage, name: str) -> None:
-    """Remove a tag so that an interrupted delete never leaves a complete-looking directory: `done`
-    first, then the manifest; then the directory is renamed to ``<name>.nxdold`` before its files go, so
-    a crash part-way through leaves debris that the next retention recognises by name (rather than a
-    directory that has lost its `checkpoint` marker and would never be cleaned up)."""
+    """Remove a tag so that an interrupted delete never leaves a complete-looking directory, nor one that
+    retention no longer recognises: `done` first, then the manifest. On POSIX the directory is then
+    renamed to ``<name>.nxdold`` before its files go (debris recognised by name). Without rename, the
+    `checkpoint` marker goes last, so what a crash leaves is still an incomplete tag (``_is_tag_dir``)."""
     storage.remove_file(f"{name}/{layout.DONE_MARKER}")
     storage.remove_file(f"{name}/{layout.MANIFEST_FILE}")
     storage.sync_dirs([name])
+    if not storage.caps.rename:
+        marker = f"{name}/{layout.CHECKPOINT_MARKER}"
+        storage.delete_many([k for k in storage.list(name) if k != marker])
+        storage.remove_file(marker)
+        return
     if not _is_special(name):
         doomed = f"{name}{OLD_SUFFIX}"
         try:

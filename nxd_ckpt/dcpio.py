@@ -27,7 +27,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import io
-import json
 import os
 import shutil
 import sys
@@ -38,6 +37,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from . import commit
+from . import manifest as manifest_mod
 from .errors import CheckpointArgumentError, CorruptCheckpointError
 from .fullstate import (ConversionError, FullState, OptimState, ParamState, TensorSource, natural_step,
                         rule_partition)
@@ -253,14 +253,14 @@ def _seal(stage: str, name: str, files: List[str], layout_kind: str, state: Full
     for f in files:
         size, crc = file_crc32c(os.path.join(stage, f))
         entries[f] = {"size": size, "crc32c": f"{crc:08x}", "rank": 0}
-    man = commit.build_manifest(name, dict(state.topology), {"dcp": True, "layout": layout_kind, "zero1": False,
+    man = manifest_mod.build(name, dict(state.topology), {"dcp": True, "layout": layout_kind, "zero1": False,
                                                             "xser": False, "has_model": True,
                                                             "has_optim": state.optim is not None}, entries, {})
-    man["converted_from"] = {"path": source}
-    body = json.dumps(man, indent=1).encode()
+    man.extra["converted_from"] = {"path": source}
+    body = man.body()
     store = LocalStorage(stage)
-    store.write_file("manifest.json", lambda f: f.write(body))
-    store.write_file("done", lambda f: f.write(commit.done_body(body)))
+    store.write_bytes("manifest.json", body)
+    store.write_bytes("done", manifest_mod.seal(body))
 
 
 # --- reading -------------------------------------------------------------------------------------------
@@ -288,14 +288,12 @@ class _DcpReader:
         man = load_manifest_file(self.path)
         if man is None:
             return
-        for rel, entry in man["files"].items():
+        for rel, entry in man.files.items():
             full = os.path.join(self.path, rel)
             if not os.path.isfile(full):
                 raise CorruptCheckpointError(f"{full} is missing", path=full)
             size, crc = file_crc32c(full)
-            if size != entry["size"] or f"{crc:08x}" != entry["crc32c"]:
-                raise CorruptCheckpointError(f"{full} does not match its manifest entry (size {size}, crc32c "
-                                             f"{crc:08x}; expected {entry['size']}, {entry['crc32c']})", path=full)
+            entry.check(size, crc, full)
 
     def is_tensor(self, key: str) -> bool:
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata

@@ -31,6 +31,7 @@ from .errors import CheckpointArgumentError, CheckpointError, CorruptCheckpointE
 from .outdir import check_output_dir, publish_output
 from .partition import merge_tp
 from .storage import LocalStorage
+from .manifest import Manifest
 from .verify import CheckedReader, load_manifest_file
 
 
@@ -153,7 +154,7 @@ def _flatten(obj, prefix="", out=None, skipped=None):
 
 
 class _Shard:
-    def __init__(self, reader: CheckedReader, rel: str, manifest: Optional[dict], xser_folder: bool):
+    def __init__(self, reader: CheckedReader, rel: str, manifest: Optional[Manifest], xser_folder: bool):
         self.reader, self.rel = reader, rel
         self.xser = xser_folder
         data = reader.refs(rel) if xser_folder else reader.plain(rel, mmap=True)
@@ -163,10 +164,9 @@ class _Shard:
         # tid of each inline tensor (non-xser shards): the order xser.to_refs gives, as the manifest uses
         self.tid_of_obj = {} if xser_folder else {id(t): tid for tid, t in enumerate(xser.to_refs(data)[1])}
         if manifest is not None:
-            for tid, m in manifest.get("tensors", {}).get(rel, {}).items():
-                self.meta[int(tid)] = m
+            for tid, m in manifest.tensors.get(rel, {}).items():
+                self.meta[int(tid)] = m.to_json()   # the same shape as an .info.pt entry
         self.masters: Optional[_Masters] = None
-
 
     def describe(self, key: str, ref) -> Leaf:
         part = None
@@ -274,7 +274,7 @@ def plan_export(tagdir: str, partitions: Sequence[Tuple[str, int, int]] = (), dt
             if layout.ShardName(0, tp, pp) not in names:
                 raise ExportError(f"{folder} lacks {layout.shard_filename(0, tp, pp)}: the checkpoint is incomplete")
     ntp = max(tps) + 1
-    from_masters = manifest.get(masters.FLAG) if manifest is not None else layout.model_data_absent(tagdir)
+    from_masters = manifest.extra.get(masters.FLAG) if manifest is not None else layout.model_data_absent(tagdir)
     xser_folder = from_masters or layout.folder_is_xser(folder)   # no .tensors folder when all data is in optim/
     shards = {(s.tp, s.pp): _Shard(reader, f"{layout.MODEL_DIR}/{n}", manifest, xser_folder) for s, n in names.items()}
     if from_masters:

@@ -147,7 +147,7 @@ def read_tag(tagdir: str, *, partitions: Sequence[str] = (), trusted: bool = Fal
     model = [TensorSource(o.key, tuple(o.shape), o.src_dtype, _recorded_partition(o, rules),
                           lambda o=o: _materialise(o, shards)) for o in outs]
     stage_keys = {pp: list(shards[(0, pp)].flat) for (tp, pp) in shards if tp == 0}
-    state = FullState(model, topology=dict((manifest or {}).get("topology", {})), skipped=skipped)
+    state = FullState(model, topology=dict(vars(manifest.topology)) if manifest is not None else {}, skipped=skipped)
     if optimizer and os.path.isdir(os.path.join(tagdir, layout.OPTIM_DIR)):
         state.optim = _read_optim(reader, tagdir, {t.name: t for t in model}, stage_keys)
         _masters_as_model(state)
@@ -347,14 +347,14 @@ def _joined(reader: CheckedReader, per_tp: List[List[_OptimFile]], path: tuple, 
 
 def _leaf_meta(reader: CheckedReader, f: _OptimFile, path: tuple) -> torch.dtype:
     """The dtype of a state tensor, from the manifest when it records it (no tensor read), else read."""
-    manifest = reader.manifest or {}
+    manifest = reader.manifest
     obj = f.data
     for k in path:
         obj = obj[k]
     if xser.is_ref(obj):
-        meta = manifest.get("tensors", {}).get(f.rel, {}).get(str(obj.tid))
+        meta = manifest.tensors.get(f.rel, {}).get(str(obj.tid)) if manifest is not None else None
         if meta is not None:
-            return getattr(torch, meta["dtype"])
+            return getattr(torch, meta.dtype)
         return reader.tensor(layout.tensor_path(f.rel, obj.tid)).dtype
     return obj.dtype
 

@@ -1,11 +1,12 @@
 """Gloo process groups for host-side exchange during load (never the training group, never XLA).
 
 Groups are created collectively (every rank calls new_group for every group, in the same order), once
-per default process group, and cached.
+per default process group and timeout, and cached. ``timeout(seconds)`` sets how long an exchange waits
+for a peer (load_checkpoint's ``timeout_s``, the same on every rank).
 """
 from __future__ import annotations
 
-import pickle
+import contextlib
 from datetime import timedelta
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -14,7 +15,19 @@ import torch.distributed as dist
 
 _CACHE: Dict[Tuple, object] = {}
 _CACHE_OWNER: List[object] = [None]
-TIMEOUT = timedelta(seconds=600)
+TIMEOUT = timedelta(seconds=1800)
+_timeout: List[timedelta] = [TIMEOUT]
+
+
+@contextlib.contextmanager
+def timeout(seconds: float):
+    """Exchanges inside the block wait at most ``seconds`` for a peer (then gloo raises on this rank)."""
+    previous = _timeout[0]
+    _timeout[0] = timedelta(seconds=float(seconds))
+    try:
+        yield
+    finally:
+        _timeout[0] = previous
 
 
 def _check_owner() -> None:
@@ -25,13 +38,11 @@ def _check_owner() -> None:
 
 
 def world_group():
-    """A gloo group over all ranks (the default group itself when it is gloo)."""
+    """A gloo group over all ranks, with the current timeout."""
     _check_owner()
-    if dist.get_backend() == "gloo":
-        return None
-    key = ("world",)
+    key = ("world", _timeout[0])
     if key not in _CACHE:
-        _CACHE[key] = dist.new_group(backend="gloo", timeout=TIMEOUT)
+        _CACHE[key] = dist.new_group(backend="gloo", timeout=_timeout[0])
     return _CACHE[key]
 
 
@@ -40,9 +51,9 @@ def replica_host_groups(groups: Sequence[Sequence[int]]) -> Dict[Tuple[int, ...]
     _check_owner()
     out = {}
     for g in sorted(tuple(sorted(x)) for x in groups):
-        key = ("replicas", g)
+        key = ("replicas", g, _timeout[0])
         if key not in _CACHE:
-            _CACHE[key] = dist.new_group(ranks=list(g), backend="gloo", timeout=TIMEOUT)
+            _CACHE[key] = dist.new_group(ranks=list(g), backend="gloo", timeout=_timeout[0])
         out[g] = _CACHE[key]
     return out
 
@@ -63,10 +74,6 @@ def broadcast_tensor(t: torch.Tensor, src: int, group) -> torch.Tensor:
         return t
     dist.broadcast(flat.view(torch.uint8), src=src, group=group)
     return t
-
-
-def dumps(obj) -> bytes:
-    return pickle.dumps(obj)
 
 
 def share_tensor_dicts(mine: Dict[int, Dict[int, torch.Tensor]], note, replicas: Sequence[int], group):

@@ -16,6 +16,7 @@ import xser
 
 from . import commit, layout, masters
 from .errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
+from .manifest import NO_MANIFEST as _NO_MANIFEST, Manifest, TagDescription, describe_tag
 from .storage import LocalStorage
 from .verify import CheckedReader, load_manifest_file, shard_refs, walk_refs
 
@@ -34,25 +35,15 @@ def _walk_files(tagdir: str):
 
 
 def derived_topology(tagdir: str) -> dict:
-    """tp/pp/dp/ep of a tag from its file names (for checkpoints without a manifest). ``dp`` is only
-    known for ZeRO-1 optimizer states (the number of DP shards); otherwise None."""
-    model = layout.list_shard_files(os.path.join(tagdir, layout.MODEL_DIR))
-    optim_dir = os.path.join(tagdir, layout.OPTIM_DIR)
-    optim = layout.list_shard_files(optim_dir)
-    fulls = [layout.parse_full_filename(n) for n in (os.listdir(optim_dir) if os.path.isdir(optim_dir) else [])]
-    fulls = [f for f in fulls if f is not None]
-    names = list(model) + list(optim) + fulls
-    ep = 1 + max((s.ep or 0 for s in names), default=0)
-    zero1 = any(s.dp >= 1 for s in optim)
-    shards = 1 + max((s.dp for s in optim), default=0) if zero1 else None
-    return {
-        "world_size": None,
-        "tp": 1 + max((s.tp for s in names), default=0),
-        "pp": 1 + max((s.pp for s in names), default=0),
-        "dp": shards,   # ZeRO-1 files are named by the full DP rank, with or without EP
-        "cp": None,
-        "ep": ep,
-    }
+    """tp/pp/dp/ep of a tag without a manifest, from its file names (``manifest.describe_tag``). ``dp`` is
+    only known for ZeRO-1 optimizer states (the number of DP shards); otherwise None."""
+    return dict(vars(_describe(tagdir).topology))
+
+
+def _describe(tagdir: str, manifest: Optional[Manifest] = None) -> TagDescription:
+    parent, name = os.path.split(os.path.abspath(tagdir))
+    storage = LocalStorage(parent)
+    return describe_tag(storage, name, manifest if manifest is not None else _NO_MANIFEST)
 
 
 def tag_summary(tagdir: str, committed_at: Optional[float] = None) -> dict:
@@ -69,12 +60,11 @@ def tag_summary(tagdir: str, committed_at: Optional[float] = None) -> dict:
         row.update(status="damaged", problem=str(exc))
     if manifest is not None:
         row["format"] = "nxd-ckpt"
-        topo = manifest.get("topology", {})
-        row.update(tp=topo.get("tp"), pp=topo.get("pp"), dp=topo.get("dp"), ep=topo.get("ep"),
-                   zero1=manifest.get("zero1"), xser=manifest.get("xser"))
-        files = manifest["files"]
+        topo = manifest.topology
+        row.update(tp=topo.tp, pp=topo.pp, dp=topo.dp, ep=topo.ep, zero1=manifest.zero1, xser=manifest.xser)
+        files = manifest.files
         row["files"] = len(files)
-        row["size"] = sum(int(e["size"]) for e in files.values())
+        row["size"] = sum(e.size for e in files.values())
         if has_done:
             for rel, entry in sorted(files.items()):
                 try:
@@ -82,22 +72,20 @@ def tag_summary(tagdir: str, committed_at: Optional[float] = None) -> dict:
                 except OSError:
                     row.update(status="damaged", problem=f"{rel} is missing")
                     break
-                if size != entry["size"]:
-                    row.update(status="damaged", problem=f"{rel} has {size} bytes, the manifest says {entry['size']}")
+                if entry.mismatch(size, None):
+                    row.update(status="damaged", problem=f"{rel} {entry.mismatch(size, None)}")
                     break
     else:
         row["format"] = "neuronx-distributed"
-        topo = derived_topology(tagdir)
-        row.update(tp=topo["tp"], pp=topo["pp"], dp=topo["dp"], ep=topo["ep"])
-        row["zero1"] = (layout.folder_is_zero1(os.path.join(tagdir, layout.OPTIM_DIR))   # or NxD's use_zero1_dcp
-                        or os.path.isfile(os.path.join(tagdir, layout.OPTIM_DIR, layout.DCP_METADATA_FILE)))
-        row["xser"] = any(layout.folder_is_xser(os.path.join(tagdir, f)) for f in (layout.MODEL_DIR, layout.OPTIM_DIR))
+        d = _describe(tagdir)
+        topo = d.topology
+        row.update(tp=topo.tp, pp=topo.pp, dp=topo.dp, ep=topo.ep, zero1=d.zero1, xser=d.xser)
         for rel, full in _walk_files(tagdir):
             if rel in (layout.CHECKPOINT_MARKER, layout.DONE_MARKER) or rel.endswith(layout.TMP_SUFFIX):
                 continue
             row["files"] += 1
             row["size"] += os.path.getsize(full)
-    row["model_from_master_weights"] = (bool(manifest.get(masters.FLAG)) if manifest is not None
+    row["model_from_master_weights"] = (bool(manifest.extra.get(masters.FLAG)) if manifest is not None
                                         else layout.model_data_absent(tagdir))
     if committed_at is None:
         marker = os.path.join(tagdir, layout.DONE_MARKER if has_done else "")
@@ -168,17 +156,17 @@ def _nbytes(dtype_name: str, shape) -> int:
         return 0
 
 
-def shard_tensor_meta(reader: CheckedReader, rel: str, manifest: Optional[dict], xser_folder: bool,
+def shard_tensor_meta(reader: CheckedReader, rel: str, manifest: Optional[Manifest], xser_folder: bool,
                       want_missing_shapes: bool) -> List[dict]:
     """[{tid, key, dtype, shape, partition...}] of one shard ref file, from the manifest, else from the
     ref pickle + ``.info.pt`` (reading tensor headers only where neither records a shape)."""
-    if manifest is not None and rel in manifest.get("tensors", {}):
+    if manifest is not None and rel in manifest.tensors:
         out = []
-        for tid, m in manifest["tensors"][rel].items():
-            e = {"tid": int(tid), "key": m.get("key", ""), "dtype": m.get("dtype"), "shape": list(m.get("shape", []))}
+        for tid, m in manifest.tensors[rel].items():
+            e = {"tid": int(tid), "key": m.key, "dtype": m.dtype, "shape": list(m.shape)}
             for k in ("tensor_model_parallel", "partition_dim", "partition_stride", "expert_model_parallel"):
-                if k in m:
-                    e[k] = m[k]
+                if k in m.attrs:
+                    e[k] = m.attrs[k]
             out.append(e)
         return sorted(out, key=lambda e: e["tid"])
     if xser_folder:
@@ -246,8 +234,8 @@ def describe(tagdir: str, tensors: bool = False, trusted: bool = False) -> dict:
     out = {
         "tag": summary["tag"], "path": tagdir, "status": summary["status"], "problem": summary["problem"],
         "format": summary["format"], "written_at": summary["written_at"],
-        "library_version": manifest.get("library_version") if manifest else None,
-        "topology": dict(manifest["topology"]) if manifest else derived_topology(tagdir),
+        "library_version": manifest.library_version if manifest else None,
+        "topology": dict(vars(manifest.topology)) if manifest else derived_topology(tagdir),
         "zero1": summary["zero1"], "xser": summary["xser"],
         "model_from_master_weights": summary["model_from_master_weights"],
         "has_model": os.path.isdir(os.path.join(tagdir, layout.MODEL_DIR)),

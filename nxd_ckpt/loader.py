@@ -17,6 +17,7 @@ import torch
 import xser
 
 from . import commit, errors, hostgroups, layout, masters, reshard_load
+from . import manifest as manifest_mod
 from .errors import (CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError,
                      StateMismatchError, TopologyMismatchError)
 from .plan import home_filename, model_filename, optim_filename, replica_groups
@@ -59,7 +60,7 @@ def _check_unmarked(storage: Storage, tag: str) -> None:
             f"checkpoint {tag!r} in {storage.root} has a 'checkpoint' marker but no 'done' marker: its save began "
             f"and never finished (interrupted), so its files may be partial. Complete checkpoints: "
             f"{available or 'none'}; pass one of them or tag=None for the newest")
-    if storage.isdir(tag) and layout.holds_checkpoint_data(storage.path(tag)):
+    if storage.isdir(tag) and _holds_checkpoint_data(storage, tag):
         log.info("nxd_ckpt: checkpoint %s in %s has no 'done' marker and no 'checkpoint' marker (written by a "
                  "converter, not by a save); loading it as given", tag, storage.root)
         return
@@ -71,34 +72,30 @@ def _check_unmarked(storage: Storage, tag: str) -> None:
         f"no checkpoint {tag!r} in {storage.root}. Complete checkpoints, newest first: {available or 'none'}")
 
 
+def _holds_checkpoint_data(storage: Storage, tag: str) -> bool:
+    """``layout.holds_checkpoint_data`` through the storage (object stores have no local path)."""
+    local = storage.local_path(tag)
+    if local is not None:
+        return layout.holds_checkpoint_data(local)
+    names = set(storage.listdir(tag))
+    if {layout.SCHEDULER_FILE, layout.USER_CONTENT_FILE} & names:
+        return True
+    return any(layout.parse_shard_filename(n) for d in (layout.MODEL_DIR, layout.OPTIM_DIR)
+               for n in storage.listdir(f"{tag}/{d}"))
+
+
 # --- topology ------------------------------------------------------------------------------------
-def saved_topology(storage: Storage, tag: str, manifest: Optional[dict]) -> dict:
-    """tp/pp/ep/dp/zero1/xser of a saved checkpoint: from the manifest, else from the file names."""
+def saved_topology(storage: Storage, tag: str, manifest: Optional[manifest_mod.Manifest]) -> dict:
+    """tp/pp/ep/dp/zero1/zero1_shards/xser/from_masters of a saved checkpoint (``manifest_mod.describe_tag``)."""
+    d = manifest_mod.describe_tag(storage, tag, manifest if manifest is not None else manifest_mod.NO_MANIFEST)
+    t = dict(vars(d.topology), zero1=d.zero1, zero1_shards=d.zero1_shards, xser=d.xser)
+    if d.zero1_dcp:
+        t["zero1_dcp"] = True
     if manifest is not None:
-        t = dict(manifest["topology"])
-        t.update(zero1=manifest["zero1"], xser=manifest["xser"])
-        t["zero1_shards"] = t["dp"]
-        t["from_masters"] = bool(manifest.get(masters.FLAG, False))
-        if manifest.get("zero1_dcp"):
-            t.update(zero1_dcp=True, zero1_shards=None)
-        return t
-    model = layout.list_shard_files(storage.path(f"{tag}/{layout.MODEL_DIR}")) if hasattr(storage, "path") else {}
-    optim = layout.list_shard_files(storage.path(f"{tag}/{layout.OPTIM_DIR}")) if hasattr(storage, "path") else {}
-    names = list(model) + list(optim)
-    zero1 = any(s.dp >= 1 for s in optim)
-    t = {
-        "tp": 1 + max((s.tp for s in names), default=0),
-        "pp": 1 + max((s.pp for s in names), default=0),
-        "ep": 1 + max((s.ep or 0 for s in names), default=0),
-        "dp": None,
-        "zero1_shards": (1 + max(s.dp for s in optim)) if zero1 else None,
-        "zero1": zero1,
-        "xser": layout.folder_is_xser(storage.path(f"{tag}/{layout.MODEL_DIR}"))
-        or layout.folder_is_xser(storage.path(f"{tag}/{layout.OPTIM_DIR}")),
-        "from_masters": layout.model_data_absent(storage.path(tag)),
-    }
-    if storage.exists(f"{tag}/{layout.OPTIM_DIR}/{layout.DCP_METADATA_FILE}"):
-        t.update(zero1=True, zero1_dcp=True, zero1_shards=None)
+        t["from_masters"] = bool(manifest.extra.get(masters.FLAG, False))
+    else:
+        local = storage.local_path(tag)
+        t["from_masters"] = bool(local) and layout.model_data_absent(local)
     return t
 
 
@@ -166,9 +163,13 @@ def _recreate(rank: int, status) -> errors.CheckpointError:
 def agreed_candidates(storage: Storage, tag, node_local: bool = False) -> List[str]:
     """Every rank: the directories to try, as rank 0 sees them (a save committing meanwhile must not make
     ranks pick different tags), or rank 0's error raised on every rank. ``node_local`` must be the same on
-    every rank (it decides who reads what)."""
+    every rank (it decides who reads what). Only rank 0 lists the directory (one listing per load, not one
+    per rank: on an object store each is a series of paginated LIST requests)."""
+    import torch.distributed as dist
+
+    root = not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
     try:
-        mine, error = candidate_tags(storage, tag), None
+        mine, error = (candidate_tags(storage, tag) if root else _checked_tag(tag)), None
     except ValueError as exc:   # a bad tag
         mine, error = None, exc if isinstance(exc, errors.CheckpointError) else errors.CheckpointArgumentError(str(exc))
     except errors.CheckpointError as exc:
@@ -185,9 +186,15 @@ def agreed_candidates(storage: Storage, tag, node_local: bool = False) -> List[s
     raise _recreate(0, first_status)
 
 
-def _manifest_of(storage: Storage, tag: str) -> Optional[dict]:
+def _checked_tag(tag) -> None:
+    if tag is not None:
+        layout.validate_tag(tag)
+    return None
+
+
+def _manifest_of(storage: Storage, tag: str) -> Optional[manifest_mod.Manifest]:
     try:
-        return commit.read_manifest(storage, tag)
+        return manifest_mod.read(storage, tag)
     except ValueError as exc:
         rel = f"{tag}/{layout.MANIFEST_FILE}"
         raise CorruptCheckpointError(
@@ -351,8 +358,8 @@ def _master_tids(reader: FileReader, rel: str):
     (neuronx-distributed writes none of the model's tensor files in this mode)."""
     if reader.manifest is None:
         return ALL
-    meta = reader.manifest.get("tensors", {}).get(rel, {})
-    return {int(tid) for tid, m in meta.items() if masters.INDEX_META in m}
+    meta = reader.manifest.tensors.get(rel, {})
+    return {int(tid) for tid, m in meta.items() if masters.INDEX_META in m.attrs}
 
 
 @dataclass
@@ -466,8 +473,8 @@ def _master_index(state: dict, shard, paths: Dict[int, str], shape_info) -> Dict
     optimizer (or by order and shape)."""
     manifest = state.get("manifest")
     if manifest is not None:
-        meta = manifest.get("tensors", {}).get(shard.relpath, {})
-        return {int(t): int(m[masters.INDEX_META]) for t, m in meta.items() if masters.INDEX_META in m}
+        meta = manifest.tensors.get(shard.relpath, {})
+        return {int(t): int(m.attrs[masters.INDEX_META]) for t, m in meta.items() if masters.INDEX_META in m.attrs}
     model, optimizer = state.get("targets", (None, None))
     keys_shapes = [(paths.get(t, ""), tuple(shard.info[t]["shape"])) for t in sorted(shard.absent)
                    if shard.info and t in shard.info]

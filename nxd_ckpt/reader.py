@@ -23,6 +23,7 @@ import xser
 
 from . import hostgroups, layout
 from .errors import CorruptCheckpointError, UnsafeCheckpointError
+from .manifest import FileEntry, Manifest
 from .plan import assign_to_bins
 from .storage import Storage
 
@@ -39,7 +40,7 @@ class FileReader:
 
     storage: Storage
     tag: str
-    manifest: Optional[dict]
+    manifest: Optional[Manifest]
     trusted: bool = False
     # Tensor files may come back memory-mapped (see _read_tensor_mapped): only when the caller copies
     # every loaded tensor into a device tensor or an existing parameter and keeps none of them.
@@ -56,23 +57,15 @@ class FileReader:
         return data
 
     def _verify(self, relpath: str, full: str, data: bytes) -> None:
-        entry = self.manifest["files"].get(relpath)
+        entry = self.manifest.files.get(relpath)
         if entry is None:
             raise CorruptCheckpointError(f"{full} is not listed in the manifest of {self.tag!r}; {_NEXT}",
                                          path=full)
-        if len(data) != entry["size"]:
-            raise CorruptCheckpointError(
-                f"{full} has {len(data)} bytes, the manifest says {entry['size']} (truncated or overwritten); "
-                f"{_NEXT}", path=full, expected=str(entry["size"]), found=str(len(data)))
-        found = f"{_crc32c.crc32c(data):08x}"
-        if found != entry["crc32c"]:
-            raise CorruptCheckpointError(
-                f"{full} fails its checksum: expected crc32c {entry['crc32c']}, found {found}; {_NEXT}",
-                path=full, expected=entry["crc32c"], found=found)
+        entry.check_bytes(data, full, _NEXT)
 
     def exists(self, relpath: str) -> bool:
         if self.manifest is not None:
-            return relpath in self.manifest["files"]
+            return relpath in self.manifest.files
         return self.storage.exists(f"{self.tag}/{relpath}")
 
     def load_pickle(self, relpath: str):
@@ -109,10 +102,10 @@ class FileReader:
         """With ``mapped``: a large local tensor file listed in the manifest, memory-mapped and verified
         (``_read_tensor_mapped``). None when that does not apply or the file does not verify; load_tensor
         then reads the bytes and names the damage."""
-        entry = self.manifest["files"].get(relpath) if self.manifest is not None else None
+        entry = self.manifest.files.get(relpath) if self.manifest is not None else None
         full = f"{self.tag}/{relpath}"
         local = self.storage.local_path(full) if self.mapped and entry is not None else None
-        if local is None or entry["size"] < MAPPED_MIN_BYTES:
+        if local is None or entry.size < MAPPED_MIN_BYTES:
             return None
         try:
             return _read_tensor_mapped(local, entry, self.trusted, full)
@@ -127,7 +120,7 @@ class FileReader:
 MAPPED_MIN_BYTES = 1 << 20
 
 
-def _read_tensor_mapped(path: str, entry: dict, trusted: bool, name: str) -> Optional[torch.Tensor]:
+def _read_tensor_mapped(path: str, entry: FileEntry, trusted: bool, name: str) -> Optional[torch.Tensor]:
     """The tensor of a one-tensor torch.save file, backed by a private mapping of the file
     (``torch.load(mmap=True)``), verified against the manifest ``entry``: size, and CRC32C over the bytes
     before the data record, the mapped storage itself (this pass pages the file in) and the bytes after
@@ -142,7 +135,7 @@ def _read_tensor_mapped(path: str, entry: dict, trusted: bool, name: str) -> Opt
     with open(path, "rb", buffering=0) as f:
         fd = f.fileno()
         size = os.fstat(fd).st_size
-        if size != entry["size"]:
+        if size != entry.size:
             return None
         src = f"/proc/self/fd/{fd}"          # the file opened above, even if the name is replaced meanwhile
         if not os.path.exists(src):
@@ -164,7 +157,7 @@ def _read_tensor_mapped(path: str, entry: dict, trusted: bool, name: str) -> Opt
         crc = _crc32c.crc32c(os.pread(fd, offset, 0))
         crc = _crc32c.crc32c(body.numpy(), crc)
         crc = _crc32c.crc32c(os.pread(fd, size - offset - nbytes, offset + nbytes), crc)
-    return tensor if f"{crc:08x}" == entry["crc32c"] else None
+    return tensor if f"{crc:08x}" == entry.crc32c else None
 
 
 @dataclass

@@ -37,6 +37,7 @@ import xser
 from . import hostgroups, layout, masters
 from .errors import StateMismatchError, TopologyMismatchError
 from .fullstate import param_orders
+from .manifest import Manifest
 from .partition import (Partition, PartitionError, copy_tp_overlap, make_piece, piece_rows, rows_tail,
                         tp_overlaps, zero1_shard, zero1_unshard)
 from .reader import FileReader
@@ -84,11 +85,12 @@ def check_reshardable(tag: str, saved: dict, world: World, has_model: bool, load
 class SourceShard:
     """One saved shard file: its ref data (small for xser shards) and its tensors, loaded on demand."""
 
-    def __init__(self, reader: FileReader, relpath: str, manifest: Optional[dict]):
+    def __init__(self, reader: FileReader, relpath: str, manifest: Optional[Manifest]):
         self.reader, self.relpath = reader, relpath
         self.ref = reader.load_pickle(relpath)
-        meta = (manifest or {}).get("tensors", {}).get(relpath)
-        self.meta: Dict[int, dict] = {int(t): m for t, m in meta.items()} if meta else {}
+        meta = manifest.tensors.get(relpath) if manifest is not None else None
+        # the same shape as an .info.pt entry
+        self.meta: Dict[int, dict] = {int(t): m.to_json() for t, m in meta.items()} if meta else {}
         if not self.meta and reader.exists(layout.info_path(relpath)):
             self.meta = {int(t): dict(m) for t, m in reader.load_pickle(layout.info_path(relpath)).items()}
 
@@ -116,7 +118,7 @@ class Source:
     """The saved checkpoint, opened lazily: shard files by (folder, dp, tp, pp)."""
 
     reader: FileReader
-    manifest: Optional[dict]
+    manifest: Optional[Manifest]
     sizes: Sizes
     workers: int = 1
     inflight_bytes: int = 1 << 30
@@ -320,7 +322,7 @@ def _param_index(src: Source, target: Target, zero1: bool) -> Dict[str, Tuple[in
         osd = src.shard(layout.OPTIM_DIR, 0, 0, p)
         sizes = [len(g["params"]) for g in osd.ref.get("param_groups", [])] or [len(keys)]
         count = len(osd.ref["shape_info"]) if zero1 else sum(sizes)
-        recorded = ((src.manifest or {}).get("optim_params") or {}).get(osd.relpath)
+        recorded = ((src.manifest.extra if src.manifest is not None else {}).get("optim_params") or {}).get(osd.relpath)
         order = _first_fitting(param_orders(keys, sizes, count, recorded),
                                lambda i, k: not zero1 or tuple(osd.ref["shape_info"][i]) == first.shape(first.ref[k]))
         if order is None:
@@ -473,7 +475,7 @@ def saved_sizes(saved: dict) -> Sizes:
     return Sizes(int(saved.get("tp", 1)), int(saved.get("pp", 1)), saved.get("zero1_shards") or saved.get("dp"))
 
 
-def read_resharded(reader: FileReader, manifest: Optional[dict], saved: dict, target: Target, *, want_model: bool,
+def read_resharded(reader: FileReader, manifest: Optional[Manifest], saved: dict, target: Target, *, want_model: bool,
                    optimizer=None, num_workers: int = 8, inflight_bytes: int = 1 << 30) -> dict:
     """This rank's model state dict ("model") and optimizer state ("optim", when ``optimizer`` is given) at the
     job's sizes, from a checkpoint saved at ``saved``'s sizes. No collectives (``target`` was gathered by the

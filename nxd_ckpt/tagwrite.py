@@ -12,7 +12,6 @@ own tensor file at once; ref files, which hold no tensor data, are written at th
 """
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import sys
@@ -24,6 +23,7 @@ import torch
 import xser
 
 from . import commit, layout
+from . import manifest as manifest_mod
 from .errors import CheckpointArgumentError
 from .fullstate import ConversionError, FullState, ParamState
 from .outdir import publish_output
@@ -281,10 +281,10 @@ def _commit(w: _Writer, tag: str, sizes: TagSizes, state: FullState, converted_f
     for rel, rec in sorted(w.records.items()):
         files[rel] = {**rec.to_json(), "rank": _rank_of(rel, topo) if "/" in rel else 0}
     flags = {"zero1": sizes.zero1, "xser": True, "has_model": True, "has_optim": state.optim is not None}
-    man = commit.build_manifest(tag, topo, flags, files, w.tensors)
-    man["converted_from"] = converted_from
+    man = manifest_mod.build(tag, topo, flags, files, w.tensors)
+    man.extra["converted_from"] = converted_from
     # the parameter name of each optimizer index, so that reading this tag back never has to infer it
-    man["optim_params"] = {f.rel: list(f.index) for f in optims}
-    body = json.dumps(man, indent=1).encode()
-    w.store.write_file(layout.MANIFEST_FILE, lambda f: f.write(body))
-    w.store.write_file(layout.DONE_MARKER, lambda f: f.write(commit.done_body(body)))
+    man.extra["optim_params"] = {f.rel: list(f.index) for f in optims}
+    body = man.body()
+    w.store.write_bytes(layout.MANIFEST_FILE, body)
+    w.store.write_bytes(layout.DONE_MARKER, manifest_mod.seal(body))

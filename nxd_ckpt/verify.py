@@ -20,17 +20,18 @@ import torch
 import xser
 
 from . import commit, layout
+from .manifest import FileEntry, Manifest, parse as parse_manifest
 from .errors import CheckpointError, CorruptCheckpointError
 
 READ_BLOCK = 8 << 20
 
 
 # --- reading with checks ---------------------------------------------------------------------------
-def load_manifest_file(tagdir: str) -> Optional[dict]:
+def load_manifest_file(tagdir: str) -> Optional[Manifest]:
     """The tag's manifest, None when it has none; CorruptCheckpointError when it cannot be parsed."""
     path = os.path.join(tagdir, layout.MANIFEST_FILE)
     try:
-        return commit.parse_manifest(_read_if_file(path), _read_if_file(os.path.join(tagdir, layout.DONE_MARKER)),
+        return parse_manifest(_read_if_file(path), _read_if_file(os.path.join(tagdir, layout.DONE_MARKER)),
                                      tagdir)
     except (OSError, ValueError) as exc:
         raise CorruptCheckpointError(f"the tag's manifest cannot be trusted: {exc}", path=path) from None
@@ -58,19 +59,6 @@ def file_crc32c(path: str) -> Tuple[int, int]:
     return size, crc
 
 
-def check_bytes(relpath: str, data: bytes, entry: dict, where: str) -> None:
-    """Raise CorruptCheckpointError when ``data`` does not match the manifest ``entry``."""
-    if len(data) != entry["size"]:
-        raise CorruptCheckpointError(
-            f"{where} has {len(data)} bytes, the manifest says {entry['size']} (truncated or overwritten)",
-            path=where, expected=str(entry["size"]), found=str(len(data)))
-    found = f"{_crc32c.crc32c(data):08x}"
-    if found != entry["crc32c"]:
-        raise CorruptCheckpointError(
-            f"{where} fails its checksum: expected crc32c {entry['crc32c']}, found {found} (the file is damaged)",
-            path=where, expected=entry["crc32c"], found=found)
-
-
 class CheckedReader:
     """Reads the files of one tag directory, checking each against the manifest when there is one.
 
@@ -79,10 +67,10 @@ class CheckedReader:
     ``trusted=True``) is passed through.
     """
 
-    def __init__(self, tagdir: str, manifest: Optional[dict] = None, trusted: bool = False):
+    def __init__(self, tagdir: str, manifest: Optional[Manifest] = None, trusted: bool = False):
         self.tagdir = os.path.abspath(tagdir)
         self.manifest = manifest
-        self.files: Dict[str, dict] = dict(manifest["files"]) if manifest else {}
+        self.files: Dict[str, FileEntry] = dict(manifest.files) if manifest else {}
         self.trusted = trusted
 
     def path(self, relpath: str) -> str:
@@ -97,7 +85,7 @@ class CheckedReader:
             raise CorruptCheckpointError(f"{where} is missing", path=where) from None
         entry = self.files.get(relpath)
         if entry is not None:
-            check_bytes(relpath, data, entry, where)
+            entry.check_bytes(data, where)
         return data
 
     def check_file(self, relpath: str) -> None:
@@ -109,13 +97,7 @@ class CheckedReader:
         if entry is None:
             return
         size, crc = file_crc32c(where)
-        if size != entry["size"]:
-            raise CorruptCheckpointError(
-                f"{where} has {size} bytes, the manifest says {entry['size']} (truncated or overwritten)",
-                path=where)
-        if f"{crc:08x}" != entry["crc32c"]:
-            raise CorruptCheckpointError(
-                f"{where} fails its checksum: expected crc32c {entry['crc32c']}, found {crc:08x}", path=where)
+        entry.check(size, crc, where)
 
     def refs(self, relpath: str):
         """The ref pickle of a shard (TensorReferences, or inline tensors) loaded safely."""
@@ -233,7 +215,7 @@ def _progress_bar(total: int, desc: str, progress: Optional[bool]):
     return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc, leave=False)
 
 
-def _check_one(tagdir: str, relpath: str, entry: dict) -> Optional[str]:
+def _check_one(tagdir: str, relpath: str, entry: FileEntry) -> Optional[str]:
     where = os.path.join(tagdir, relpath)
     try:
         size = os.path.getsize(where)
@@ -241,17 +223,13 @@ def _check_one(tagdir: str, relpath: str, entry: dict) -> Optional[str]:
         return "missing"
     except OSError as exc:
         return f"cannot be read: {exc}"
-    if size != entry["size"]:
-        return f"has {size} bytes, the manifest says {entry['size']} (truncated or overwritten)"
+    if entry.mismatch(size, None):
+        return entry.mismatch(size, None)
     try:
         size, crc = file_crc32c(where)
     except OSError as exc:
         return f"cannot be read: {exc}"
-    if size != entry["size"]:
-        return f"has {size} bytes, the manifest says {entry['size']} (changed while being read)"
-    if f"{crc:08x}" != entry["crc32c"]:
-        return f"checksum mismatch: crc32c {crc:08x}, the manifest says {entry['crc32c']} (damaged)"
-    return None
+    return entry.mismatch(size, crc)
 
 
 def _dir_is_managed(tagdir: str) -> bool:
@@ -307,15 +285,15 @@ def verify_tag(tagdir: str, workers: int = 8, progress: Optional[bool] = None, *
     return res
 
 
-def _verify_manifest(tagdir: str, manifest: dict, res: VerifyResult, workers: int, progress) -> None:
-    files = manifest["files"]
-    bar = _progress_bar(sum(int(e.get("size", 0)) for e in files.values()), f"verify {res.tag}", progress)
+def _verify_manifest(tagdir: str, manifest: Manifest, res: VerifyResult, workers: int, progress) -> None:
+    files = manifest.files
+    bar = _progress_bar(sum(e.size for e in files.values()), f"verify {res.tag}", progress)
 
     def job(item):
         rel, entry = item
         problem = _check_one(tagdir, rel, entry)
         if bar is not None:
-            bar.update(int(entry.get("size", 0)))
+            bar.update(entry.size)
         return rel, entry, problem
 
     try:
@@ -323,7 +301,7 @@ def _verify_manifest(tagdir: str, manifest: dict, res: VerifyResult, workers: in
             for rel, entry, problem in pool.map(job, sorted(files.items())):
                 res.files_checked += 1
                 if problem is None:
-                    res.bytes_checked += int(entry["size"])
+                    res.bytes_checked += entry.size
                 else:
                     res.problems.append((rel, problem))
     finally:

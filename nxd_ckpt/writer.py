@@ -23,7 +23,7 @@ import torch
 
 import xser
 
-from . import commit, layout
+from . import commit, layout, manifest
 from .coord import Coordinator
 from .errors import RankFailureError, describe_causes
 from .staging import HostBudget, release_host_memory
@@ -122,7 +122,7 @@ class SaveRunner:
 
 
 def run_job(job: SaveJob, runner: SaveRunner) -> None:
-    staging = commit.staging_name(job.tag)
+    staging = commit.strategy_for(job.storage).workdir(job.tag)
     coord = job.coordinator
     _prepare(job, staging, runner)
     records, write_error = _write_all(job, runner, staging)
@@ -184,7 +184,7 @@ def _prepare(job: SaveJob, staging: str, runner: SaveRunner) -> None:
             coord.publish("prepared", {"ok": True})
         except Exception as exc:  # noqa: BLE001
             error = _describe(exc, 0)
-            _remove_quietly(job.storage, staging)
+            _abandon_quietly(job.storage, job.tag)
             coord.publish("prepared", {"ok": False, "error": error})
             _drain(job, runner.budget)
             raise RankFailureError(
@@ -327,13 +327,12 @@ def _commit_as_root(job: SaveJob, own_report: dict) -> dict:
             causes[r] = f"did not report within {coord.timeout_s:.0f}s (hung or dead)"
         elif not rep["ok"]:
             causes[r] = rep["error"]
-    staging = commit.staging_name(job.tag)
     if causes:
         log.error("nxd_ckpt: checkpoint %s failed: %s", job.tag, describe_causes(causes))
         if all(rep is not None for rep in reports.values()):
             # Every rank has stopped writing: free the space now (a full disk would otherwise stay full
             # until the next successful save). With a silent rank, retention removes it later.
-            _remove_quietly(job.storage, staging)
+            _abandon_quietly(job.storage, job.tag)
         return {"ok": False, "causes": {str(r): c for r, c in causes.items()}}
     try:
         files: Dict[str, dict] = {}
@@ -344,15 +343,14 @@ def _commit_as_root(job: SaveJob, own_report: dict) -> dict:
             tensors.update(rep["tensors"])
         dcp = [(r, rep["dcp"]) for r, rep in sorted(reports.items()) if rep.get("dcp") is not None]
         if dcp:
-            rec = _write_dcp_metadata(job.storage, staging, dcp)
+            rec = _write_dcp_metadata(job.storage, commit.strategy_for(job.storage).workdir(job.tag), dcp)
             files[rec.relpath] = dict(rec.to_json(), rank=0)
-        manifest = commit.build_manifest(job.tag, job.manifest_info["topology"], job.manifest_info["flags"],
-                                         files, tensors)
-        commit.publish(job.storage, job.tag, manifest)
+        man = manifest.build(job.tag, job.manifest_info["topology"], job.manifest_info["flags"], files, tensors)
+        commit.publish(job.storage, job.tag, man)
         job.stats["committed"] = True
     except Exception as exc:  # noqa: BLE001
         log.error("nxd_ckpt: checkpoint %s could not be committed: %s", job.tag, exc)
-        _remove_quietly(job.storage, staging)
+        _abandon_quietly(job.storage, job.tag)
         return {"ok": False, "causes": {"0": f"commit failed: {_describe(exc, 0)}"}}
     # The checkpoint is complete from here on: a retention problem must not report the save as failed.
     try:
@@ -367,9 +365,8 @@ def _commit_as_root(job: SaveJob, own_report: dict) -> dict:
     return {"ok": True}
 
 
-def _remove_quietly(storage: Storage, relpath: str) -> None:
+def _abandon_quietly(storage: Storage, tag: str) -> None:
     try:
-        if storage.exists(relpath):
-            commit.delete_tag(storage, relpath)   # `done` first: a half-removed staging never looks committed
+        commit.strategy_for(storage).abandon(storage, tag)
     except Exception as exc:  # noqa: BLE001 - debris; the next successful save's retention removes it
-        log.warning("nxd_ckpt: could not remove %s: %s", relpath, exc)
+        log.warning("nxd_ckpt: could not remove the files of the failed save of %s: %s", tag, exc)

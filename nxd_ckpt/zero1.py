@@ -15,7 +15,6 @@ into place. The input is never modified.
 from __future__ import annotations
 
 import copy
-import json
 import multiprocessing
 import os
 import shutil
@@ -29,6 +28,7 @@ import torch
 import xser
 
 from . import commit, layout
+from . import manifest as manifest_mod
 from .errors import CheckpointArgumentError, CheckpointError, CorruptCheckpointError
 from .outdir import check_output_dir, publish_output
 from .partition import make_piece, piece_rows as _per, rows_tail as _rows_tail
@@ -300,7 +300,7 @@ def _ep_error(input_dir: str, problem: str) -> str:
             "expert parameters over expert-DP, so converting it needs the EP size and NxD's row-major rank grid")
 
 
-def expert_parallel_size(input_dir: str, tagdir: Optional[str], manifest: Optional[dict],
+def expert_parallel_size(input_dir: str, tagdir: Optional[str], manifest: Optional[manifest_mod.Manifest],
                          groups_in: Dict[tuple, Dict[int, str]]) -> int:
     """EP of the input (1 without expert parallelism), from the manifest or the model/ file names. Raises
     Zero1FormatError, before anything is written, for what cannot be converted: optimizer files named by
@@ -312,12 +312,12 @@ def expert_parallel_size(input_dir: str, tagdir: Optional[str], manifest: Option
             input_dir, f"its optimizer files are named by ep rank (e.g. {named[0]}): that is a plain expert-parallel "
             "optimizer (or an older nxd-ckpt layout), which does not depend on the DP size; convert-zero1 converts "
             "ZeRO-1 state only"))
-    topo = (manifest or {}).get("topology", {})
+    topo = dict(vars(manifest.topology)) if manifest is not None else {}
     ep = int(topo.get("ep") or 1)
     if manifest is None and tagdir is not None:
         model = layout.list_shard_files(os.path.join(tagdir, layout.MODEL_DIR))
         ep = 1 + max((sh.ep or 0 for sh in model), default=0)
-    if ep > 1 and topo.get("layout", "row_major") != "row_major":
+    if ep > 1 and (topo.get("layout") or "row_major") != "row_major":
         raise Zero1FormatError(_ep_error(input_dir, f"it was saved at EP={ep} in the {topo['layout']} rank layout, "
                                                     "where DP ranks do not map to EP ranks row-major"))
     return ep
@@ -496,7 +496,7 @@ def convert_zero1(input_dir: str, output_dir: str, *, to_full: bool = False, dp_
 @dataclass
 class _WorkerContext:
     in_root: str
-    manifest: Optional[dict]
+    manifest: Optional[manifest_mod.Manifest]
     trusted: bool
     out_root: str
 
@@ -771,9 +771,9 @@ def _convert_plain(groups: List[Group], g_in: int, full_in: bool, g_out: int, fu
 _SKIP_TOP = {layout.OPTIM_DIR, layout.CHECKPOINT_MARKER, layout.DONE_MARKER, layout.MANIFEST_FILE}
 
 
-def _copy_rest(src: str, stage: str, manifest: Optional[dict], records: Dict[str, FileRecord]) -> Tuple[int, int]:
+def _copy_rest(src: str, stage: str, manifest: Optional[manifest_mod.Manifest], records: Dict[str, FileRecord]) -> Tuple[int, int]:
     """Hard-link (same filesystem) or copy everything of the input tag but optim/ and the markers."""
-    known = manifest["files"] if manifest else {}
+    known = manifest.files if manifest else {}
     linked = copied = 0
     for root, dirs, names in os.walk(src):
         rel_root = os.path.relpath(root, src)
@@ -792,8 +792,8 @@ def _copy_rest(src: str, stage: str, manifest: Optional[dict], records: Dict[str
                 linked += 1
                 entry = known.get(rel)
                 size = os.path.getsize(d_path)
-                if entry is not None and entry["size"] == size:
-                    records[rel] = FileRecord(rel, size, int(entry["crc32c"], 16))
+                if entry is not None and entry.size == size:
+                    records[rel] = FileRecord(rel, size, int(entry.crc32c, 16))
                 else:
                     size, crc = file_crc32c(d_path)
                     records[rel] = FileRecord(rel, size, crc)
@@ -818,11 +818,11 @@ def _copy_file(s_path: str, d_path: str, rel: str) -> FileRecord:
     return FileRecord(rel, rec.size, rec.crc32c)
 
 
-def _write_manifest(out: LocalStorage, tag: str, in_manifest: Optional[dict], src: str, groups: List[Group],
+def _write_manifest(out: LocalStorage, tag: str, in_manifest: Optional[manifest_mod.Manifest], src: str, groups: List[Group],
                     g_out: int, full_out: bool, xser_out: bool, records: Dict[str, FileRecord],
                     optim_tensors: Dict[str, dict]) -> None:
     if in_manifest is not None:
-        topo = dict(in_manifest.get("topology", {}))
+        topo = dict(vars(in_manifest.topology))
     else:
         from .inspect import derived_topology
 
@@ -838,25 +838,25 @@ def _write_manifest(out: LocalStorage, tag: str, in_manifest: Optional[dict], sr
     if full_out:
         flags["zero1_full"] = True
     files = {}
-    in_files = in_manifest["files"] if in_manifest else {}
+    in_files = in_manifest.files if in_manifest else {}
     for rel, rec in sorted(records.items()):
         if rel in (layout.CHECKPOINT_MARKER, layout.DONE_MARKER, layout.MANIFEST_FILE):
             continue
         entry = rec.to_json()
         entry["rank"] = _rank_of(rel, topo) if rel.startswith(layout.OPTIM_DIR + "/") else \
-            int(in_files.get(rel, {}).get("rank", 0))
+            int(getattr(in_files.get(rel), "rank", None) or 0)
         files[rel] = entry
     tensors = {}
     if in_manifest is not None:
-        tensors.update({k: v for k, v in in_manifest.get("tensors", {}).items()
+        tensors.update({k: {tid: m.to_json() for tid, m in v.items()} for k, v in in_manifest.tensors.items()
                         if not k.startswith(layout.OPTIM_DIR + "/")})
     tensors.update(optim_tensors)
-    man = commit.build_manifest(tag, topo, flags, files, tensors)
-    man["converted_from"] = {"path": src, "tag": os.path.basename(src),
-                             "dp": in_manifest.get("topology", {}).get("dp") if in_manifest else None}
-    body = json.dumps(man, indent=1).encode()
-    out.write_file(layout.MANIFEST_FILE, lambda f: f.write(body))
-    out.write_file(layout.DONE_MARKER, lambda f: f.write(commit.done_body(body)))
+    man = manifest_mod.build(tag, topo, flags, files, tensors)
+    man.extra["converted_from"] = {"path": src, "tag": os.path.basename(src),
+                                   "dp": in_manifest.topology.dp if in_manifest else None}
+    body = man.body()
+    out.write_bytes(layout.MANIFEST_FILE, body)
+    out.write_bytes(layout.DONE_MARKER, manifest_mod.seal(body))
 
 
 def _rank_of(rel: str, topo: dict) -> int:

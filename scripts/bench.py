@@ -999,11 +999,18 @@ def main(argv=None) -> int:
     p.add_argument("--skip-train", action="store_true")
     p.add_argument("--skip-rss", action="store_true", help="skip the per-method RSS peak saves")
     p.add_argument("--methods", default="", help="comma-separated subset (development)")
+    p.add_argument("--endpoint-url", default=None, help="S3 endpoint for --dir s3://... (else the AWS environment)")
     args = p.parse_args(argv)
     if args.repeat < 1:
         p.error("--repeat must be >= 1")
-    result = run(args)
-    print_table(result)
+    if args.dir.startswith("s3://"):
+        from bench_s3 import print_s3, run_s3
+
+        result = run_s3(args, build_state, xla)
+        print_s3(result)
+    else:
+        result = run(args)
+        print_table(result)
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)) or ".", exist_ok=True)
         tmp = args.out + ".tmp"

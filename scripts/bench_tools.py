@@ -33,7 +33,8 @@ import torch  # noqa: E402
 
 import xser  # noqa: E402
 from bench import Cache, limit_disk  # noqa: E402  (scripts/ is on sys.path when run as a script)
-from nxd_ckpt import commit, layout  # noqa: E402
+from nxd_ckpt import layout  # noqa: E402
+from nxd_ckpt import manifest as manifest_mod  # noqa: E402
 from nxd_ckpt.storage import LocalStorage  # noqa: E402
 
 MB = 1 << 20
@@ -116,9 +117,9 @@ def build_zero1(root: str, tag: str, dp: int, shapes) -> dict:
     for e in files.values():
         e["rank"] = 0
     topo = {"world_size": dp, "tp": 1, "pp": 1, "dp": dp, "cp": 1, "ep": 1}
-    man = commit.build_manifest(tag, topo, {"zero1": True, "xser": True, "has_model": True, "has_optim": True},
+    man = manifest_mod.build(tag, topo, {"zero1": True, "xser": True, "has_model": True, "has_optim": True},
                                 files, tensors)
-    body = json.dumps(man).encode()
+    body = man.body()
     store.write_file(f"{tag}/{layout.MANIFEST_FILE}", lambda f: f.write(body))
     store.write_file(f"{tag}/{layout.DONE_MARKER}", lambda f: f.write(b"1"))
     optim_bytes = sum(e["size"] for rel, e in files.items() if rel.startswith("optim/"))
@@ -239,9 +240,9 @@ def build_tp4_model(root: str, tag: str, mb: int, tp: int = 4) -> dict:
     for e in files.values():
         e["rank"] = 0
     topo = {"world_size": tp, "tp": tp, "pp": 1, "dp": 1, "cp": 1, "ep": 1}
-    man = commit.build_manifest(tag, topo, {"zero1": False, "xser": True, "has_model": True, "has_optim": False},
+    man = manifest_mod.build(tag, topo, {"zero1": False, "xser": True, "has_model": True, "has_optim": False},
                                 files, tensors)
-    body = json.dumps(man).encode()
+    body = man.body()
     store.write_file(f"{tag}/{layout.MANIFEST_FILE}", lambda f: f.write(body))
     store.write_file(f"{tag}/{layout.DONE_MARKER}", lambda f: f.write(b"1"))
     return full

@@ -240,7 +240,8 @@ def arm(phase: str, rank: int, victim: bool, everyone: bool, second: str = SECON
             nxd_ckpt.coord.Coordinator.report = report_then_die
         return
     if phase == "commit":
-        set_write_hook(lambda rel: die() if rel == f"{second}.nxdtmp/done" else None)
+        # `done` in the staging directory (rename commit) or at its final key (marker commit)
+        set_write_hook(lambda rel: die() if rel in (f"{second}.nxdtmp/done", f"{second}/done") else None)
     elif phase == "newest":
         set_write_hook(lambda rel: die() if rel == "newest" else None)
     elif phase == "retention":
@@ -258,6 +259,19 @@ def arm(phase: str, rank: int, victim: bool, everyone: bool, second: str = SECON
             original_remove_tree(self, relpath)
 
         LocalStorage.remove_tree = remove_some_then_die
+
+        from nxd_ckpt.storage.objects import ObjectStorage
+
+        original_delete = ObjectStorage.delete_many
+
+        def delete_one_then_die(self, relpaths):
+            relpaths = list(relpaths)
+            if len(relpaths) > 1:        # the bulk delete of a tag's objects (after `done` and the manifest)
+                original_delete(self, relpaths[:1])
+                die()
+            original_delete(self, relpaths)
+
+        ObjectStorage.delete_many = delete_one_then_die
     else:
         raise ValueError(f"unknown phase {phase!r}")
 

@@ -13,7 +13,8 @@ from typing import Dict, Optional, Tuple
 import torch
 
 import xser
-from nxd_ckpt import commit, layout
+from nxd_ckpt import layout
+from nxd_ckpt import manifest as manifest_mod
 from nxd_ckpt.storage import LocalStorage
 from nxd_ckpt.testing.zero1_adam import shard_of
 
@@ -106,7 +107,7 @@ def write_tag(root: str, tag: str, *, model: Optional[Dict[Tuple[int, int], dict
         dp = 1 + max((k[0] for k in (optim or {})), default=0) if zero1 else 1
         topo = topology or {"world_size": tp * pp * dp, "tp": tp, "pp": pp, "dp": dp, "cp": 1, "ep": 1}
         flags = {"zero1": zero1, "xser": use_xser, "has_model": bool(model), "has_optim": bool(optim)}
-        body = json.dumps(commit.build_manifest(tag, topo, flags, files, tensors)).encode()
+        body = manifest_mod.build(tag, topo, flags, files, tensors).body()
         store.write_file(f"{tag}/{layout.MANIFEST_FILE}", lambda f: f.write(body))
     if done:
         store.write_file(f"{tag}/{layout.DONE_MARKER}", lambda f: f.write(b"1"))

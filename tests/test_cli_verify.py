@@ -54,7 +54,7 @@ def test_intact_checkpoint_passes(ours, capsys):
 
 
 @pytest.mark.parametrize("damage,needle", [
-    ("flip", "checksum mismatch"),
+    ("flip", "fails its checksum"),
     ("truncate", "manifest says"),
     ("delete_tensor", "missing"),
     ("delete_ref", "missing"),

@@ -15,18 +15,27 @@ import pytest
 
 import crash_worker as cw
 from harness import run_ranks
+from s3_fixtures import moto_endpoint, s3_url  # noqa: F401 - fixtures
 from tiny_models import all_files
 
 WORLD = 2
 TIMEOUT_S = 4.0     # the failing save's timeout_s: how long survivors wait for a dead rank
 
 
-def _tag_files_exact(tagdir: str) -> None:
+def _tag_files_exact(storage, tag: str) -> None:
     """A complete tag holds exactly what its manifest lists plus the three markers (no temp files)."""
-    with open(os.path.join(tagdir, "manifest.json")) as f:
-        manifest = json.load(f)
+    manifest = json.loads(storage.read(f"{tag}/manifest.json"))
     want = set(manifest["files"]) | {"manifest.json", "done", "checkpoint"}
-    assert all_files(tagdir) == want, sorted(all_files(tagdir) ^ want)
+    have = {k[len(tag) + 1:] for k in storage.list(tag)}
+    assert have == want, sorted(have ^ want)
+
+
+def _root(tmp_path, backend: str, request) -> str:
+    """The checkpoint directory: a POSIX path (rename commit), a shared object bucket or S3 on a local
+    server (marker commit)."""
+    if backend == "s3":
+        return request.getfixturevalue("s3_url")
+    return str(tmp_path / "ckpt") if backend == "posix" else f"objdir://{tmp_path}/bucket//ckpt"
 
 
 # (phase, victims when one rank dies, num_kept_ckpts, complete tags after the crash, newest first)
@@ -39,14 +48,23 @@ PHASES = {
 }
 
 
-@pytest.mark.parametrize("who", ["one", pytest.param("all", marks=pytest.mark.slow)])
-@pytest.mark.parametrize("phase", list(PHASES))
-def test_sigkill_during_async_save(tmp_path, phase, who):
+# The object-store backend runs the phases that touch storage (not "snapshot"), one victim each; S3 (moto's
+# server on 127.0.0.1) one and all ranks killed mid-upload.
+CASES = ([("posix", phase, "one") for phase in PHASES]
+         + [pytest.param("posix", phase, "all", marks=pytest.mark.slow) for phase in PHASES]
+         + [("objects", phase, "one") for phase in PHASES if phase != "snapshot"]
+         + [("s3", "write", "one"), ("s3", "write", "all")])
+
+
+@pytest.mark.parametrize("backend,phase,who", CASES)
+def test_sigkill_during_async_save(tmp_path, backend, phase, who, request):
     import nxd_ckpt
+    from nxd_ckpt.storage import open_storage
 
     one_victims, num_kept, complete_after = PHASES[phase]
     victims = one_victims if who == "one" else list(range(WORLD))
-    root, side = str(tmp_path / "ckpt"), str(tmp_path / "side")
+    root, side = _root(tmp_path, backend, request), str(tmp_path / "side")
+    storage = open_storage(root)
 
     # --- job 1: FIRST completes, SECOND is interrupted by SIGKILL --------------------------------------
     outcomes = cw.run_ranks_tolerant(cw.crash_run, WORLD, root, side, phase, victims, TIMEOUT_S, num_kept,
@@ -63,14 +81,15 @@ def test_sigkill_during_async_save(tmp_path, phase, who):
 
     # on disk: the last complete checkpoint is intact; nothing half-written looks complete
     assert nxd_ckpt.list_checkpoints(root) == complete_after
-    assert not os.path.exists(os.path.join(root, cw.SECOND, "done")) or cw.SECOND in complete_after
+    assert not storage.exists(f"{cw.SECOND}/done") or cw.SECOND in complete_after
     if phase == "newest":   # committed, but the pointer still names FIRST: loading must not trust it
-        assert open(os.path.join(root, "newest")).read() == cw.FIRST
+        assert storage.read("newest").decode() == cw.FIRST
     if phase == "retention":  # FIRST's deleter died half-way: what is left must never look like a checkpoint
-        doomed = os.path.join(root, cw.FIRST + ".nxdold")
-        assert os.path.isdir(doomed) and not os.path.exists(os.path.join(root, cw.FIRST))
-        assert not os.path.exists(os.path.join(doomed, "done")) and not os.path.exists(os.path.join(doomed, "manifest.json"))
-        with pytest.raises(nxd_ckpt.CheckpointNotFoundError, match=f"no checkpoint '{cw.FIRST}'"):
+        doomed = cw.FIRST + ".nxdold" if backend == "posix" else cw.FIRST
+        assert storage.isdir(doomed) and (backend != "posix" or not storage.exists(cw.FIRST))
+        assert not storage.exists(f"{doomed}/done") and not storage.exists(f"{doomed}/manifest.json")
+        with pytest.raises((nxd_ckpt.CheckpointNotFoundError, nxd_ckpt.IncompleteCheckpointError),
+                           match=f"no checkpoint '{cw.FIRST}'|'{cw.FIRST}' .*has no 'done' marker"):
             nxd_ckpt.load_checkpoint(root, tag=cw.FIRST, model={})
 
     # --- job 2: new processes resume bit for bit from the newest complete tag, then save --------------
@@ -78,10 +97,10 @@ def test_sigkill_during_async_save(tmp_path, phase, who):
     run_ranks(cw.restart_run, WORLD, root, side, expect_step, num_kept, timeout=120)
     kept = [cw.RESUMED] + complete_after[: num_kept - 1]
     assert nxd_ckpt.list_checkpoints(root) == kept
-    assert sorted(os.listdir(root)) == sorted(kept + ["newest"]), "debris left behind"
-    assert open(os.path.join(root, "newest")).read() == cw.RESUMED
+    assert sorted(storage.listdir("")) == sorted(kept + ["newest"]), "debris left behind"
+    assert storage.read("newest").decode() == cw.RESUMED
     for tag in kept:
-        _tag_files_exact(os.path.join(root, tag))
+        _tag_files_exact(storage, tag)
 
 
 def test_hung_rank_is_named_and_nobody_hangs(tmp_path):
@@ -174,7 +193,9 @@ def test_disk_full(small_disk):
     assert results[0]["listing_after_sync"] == ["newest", "small"], results[0]
     assert nxd_ckpt.list_checkpoints(root) == ["small2"]
     assert sorted(os.listdir(root)) == ["newest", "small2"]
-    _tag_files_exact(os.path.join(root, "small2"))
+    from nxd_ckpt.storage import open_storage
+
+    _tag_files_exact(open_storage(root), "small2")
 
 
 def test_failed_prepare_leaks_neither_memory_nor_files(tmp_path):
@@ -253,8 +274,10 @@ def test_a_caught_async_failure_leaves_the_ranks_in_step(tmp_path):
         assert "call it again" in raised[0][1]
     assert nxd_ckpt.list_checkpoints(root) == ["s1"]
     assert sorted(os.listdir(root)) == ["newest", "s1"]
+    from nxd_ckpt.storage import open_storage
+
     for tag in ("s1",):
-        _tag_files_exact(os.path.join(root, tag))
+        _tag_files_exact(open_storage(root), tag)
         target = {}
         nxd_ckpt.load_checkpoint(root, tag=tag, model=target)   # every file against its checksum
         assert sorted(target) == ["t0", "t1", "t2", "t3"]

@@ -33,7 +33,7 @@ NXD_SIGNATURES = {
 # Ours after NxD's, keyword-only.
 EXTRAS = {
     "save_checkpoint": {"host_memory_budget", "device_snapshot", "timeout_s"},
-    "load_checkpoint": {"ignore_keys", "trusted", "node_local", "reshard"},
+    "load_checkpoint": {"ignore_keys", "trusted", "node_local", "reshard", "timeout_s"},
     "finalize_checkpoint": {"timeout_s"},
     "has_checkpoint": set(),
 }
@@ -128,19 +128,21 @@ def test_empty_directory_is_not_a_checkpoint(tmp_path):
 
 # --- s3:// URLs ----------------------------------------------------------------------------------------------
 URL = "s3://bucket/run1/ckpt"
-S3_MESSAGE = r"s3:// URL; this version of nxd-ckpt reads and writes POSIX paths only"
+OTHER_URL = "gs://bucket/run1/ckpt"
+OTHER_MESSAGE = r"gs:// URL, which nxd-ckpt does not serve"
 
 
 @pytest.mark.parametrize("call", [
-    lambda: nxd_ckpt.has_checkpoint(URL),
-    lambda: nxd_ckpt.list_checkpoints(URL),
-    lambda: nxd_ckpt.newest_checkpoint(URL),
-    lambda: nxd_ckpt.load_checkpoint(URL),
-    lambda: nxd_ckpt.load_checkpoint(URL, "step_1", model={}),
-    lambda: nxd_ckpt.save_checkpoint(URL, "step_1", model={"w": torch.ones(2)}),
+    lambda: nxd_ckpt.has_checkpoint(OTHER_URL),
+    lambda: nxd_ckpt.list_checkpoints(OTHER_URL),
+    lambda: nxd_ckpt.newest_checkpoint(OTHER_URL),
+    lambda: nxd_ckpt.load_checkpoint(OTHER_URL),
+    lambda: nxd_ckpt.load_checkpoint(OTHER_URL, "step_1", model={}),
+    lambda: nxd_ckpt.save_checkpoint(OTHER_URL, "step_1", model={"w": torch.ones(2)}),
 ], ids=["has", "list", "newest", "load", "load_tag", "save"])
-def test_every_entry_point_refuses_s3_with_one_error(call):
-    with pytest.raises(nxd_ckpt.CheckpointArgumentError, match=S3_MESSAGE):
+def test_every_entry_point_refuses_other_urls_with_one_error(call):
+    """s3:// works (tests/test_s3.py); any other scheme is refused before anything happens."""
+    with pytest.raises(nxd_ckpt.CheckpointArgumentError, match=OTHER_MESSAGE):
         call()
 
 
@@ -154,7 +156,7 @@ def test_every_entry_point_refuses_s3_with_one_error(call):
 def test_every_tool_refuses_s3_with_one_error(argv, capsys):
     assert cli_main(argv) == 1
     err = capsys.readouterr().err
-    assert "s3:// URL; this version of nxd-ckpt reads and writes POSIX paths only" in err
+    assert "s3:// URL; the nxd-ckpt commands read and write POSIX paths only" in err
     assert "does not exist" not in err and "not a directory" not in err
     assert not os.path.exists("/tmp/never")
 

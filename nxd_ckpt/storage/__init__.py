@@ -1,45 +1,73 @@
 """Storage backends behind one byte-level interface (``base.Storage``): POSIX filesystems (local, FSx for
-Lustre, NFS) and object stores (an in-memory one and a shared-directory one for tests)."""
+Lustre, NFS) and object stores (S3; an in-memory one and a shared-directory one for tests)."""
 from __future__ import annotations
 
 import os
+from typing import Optional
 
 from .base import AlreadyExistsError, Capabilities, FileRecord, Stat, Storage, set_write_hook
 from .local import LocalStorage
 from .objects import ObjectStorage
 
 OBJECT_SCHEMES = ("mem", "objdir")
+_S3_BUCKETS: dict = {}
 
 
-def check_location(path) -> str:
-    """``path`` as a string, or CheckpointArgumentError when it is a URL whose scheme no backend here serves
-    (``s3://...``). Every entry point and tool calls this first: the one place where S3 support plugs in."""
+def check_location(path, *, offline_tool: bool = False) -> str:
+    """``path`` as a string, or CheckpointArgumentError when it is a URL whose scheme no backend here serves,
+    or (``offline_tool``) an ``s3://`` URL given to an `nxd-ckpt` command, which reads POSIX paths only.
+    Every entry point and tool calls this first."""
     text = os.fspath(path) if not isinstance(path, str) and hasattr(path, "__fspath__") else path
     if isinstance(text, bytes):
         text = os.fsdecode(text)
     if isinstance(text, str) and "://" in text:
         scheme = text.split("://", 1)[0]
-        if scheme not in OBJECT_SCHEMES:
-            from ..errors import CheckpointArgumentError
+        from ..errors import CheckpointArgumentError
 
+        if scheme == "s3" and offline_tool:
             raise CheckpointArgumentError(
-                f"{text!r} is a {scheme}:// URL; this version of nxd-ckpt reads and writes POSIX paths only "
-                "(S3 support is not built yet). Mount the bucket (Mountpoint for Amazon S3, or FSx for Lustre "
-                "linked to S3) and pass the mount path.")
+                f"{text!r} is an s3:// URL; the nxd-ckpt commands read and write POSIX paths only (save_checkpoint "
+                "and load_checkpoint take s3:// URLs). Copy the tag to local disk first (aws s3 sync "
+                f"{text} ./local_copy) and pass that path.")
+        if scheme not in OBJECT_SCHEMES + ("s3",):
+            raise CheckpointArgumentError(
+                f"{text!r} is a {scheme}:// URL, which nxd-ckpt does not serve: pass a POSIX path (local disk, FSx "
+                "for Lustre, NFS) or an s3://bucket/prefix URL.")
     return text
 
 
-def open_storage(root: str) -> Storage:
-    """The Storage for a checkpoint directory path or URL: ``mem://bucket/prefix`` and
-    ``objdir:///dir`` are object stores (tests); any other ``scheme://`` is refused by ``check_location``;
-    everything else is a POSIX path."""
+def open_storage(root: str, *, timeout_s: Optional[float] = None, workers: Optional[int] = None,
+                 s3_client=None, endpoint_url: Optional[str] = None) -> Storage:
+    """The Storage for a checkpoint directory path or URL: ``s3://bucket/prefix`` is S3 (boto3; credentials,
+    region and endpoint from the AWS configuration chain, or ``s3_client`` / ``endpoint_url``; every
+    request retried until ``timeout_s``); ``mem://bucket/prefix`` and ``objdir:///dir`` are object stores
+    for tests; any other ``scheme://`` is refused by ``check_location``; everything else is a POSIX path."""
     text = check_location(root)
     scheme = text.split("://", 1)[0] if "://" in text else ""
+    if scheme == "s3":
+        return _open_s3(text, timeout_s, workers, s3_client, endpoint_url)
     if scheme in OBJECT_SCHEMES:
         from .objects import open_object_url
 
         return open_object_url(text)
     return LocalStorage(text)
+
+
+def _open_s3(url: str, timeout_s, workers, client, endpoint_url) -> Storage:
+    """One S3Bucket (client and part pool) per bucket and settings in this process, reused by every save."""
+    from .s3 import DEFAULT_TIMEOUT_S, S3Bucket, parse_s3_url
+
+    try:
+        bucket, prefix = parse_s3_url(url)
+    except ValueError as exc:
+        from ..errors import CheckpointArgumentError
+
+        raise CheckpointArgumentError(str(exc)) from None
+    key = (bucket, timeout_s or DEFAULT_TIMEOUT_S, workers or 8, id(client) if client else None, endpoint_url)
+    if key not in _S3_BUCKETS:
+        _S3_BUCKETS[key] = S3Bucket(bucket, client=client, endpoint_url=endpoint_url,
+                                    timeout_s=timeout_s or DEFAULT_TIMEOUT_S, workers=workers or 8)
+    return ObjectStorage(_S3_BUCKETS[key], prefix, url)
 
 
 __all__ = ["AlreadyExistsError", "Capabilities", "FileRecord", "Stat", "Storage", "LocalStorage", "ObjectStorage",

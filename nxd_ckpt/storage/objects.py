@@ -4,7 +4,7 @@
 offers: put, ranged get, head, one page of a listing, a batch delete). Directory views are prefixes of
 keys; there are no placeholder objects. Two buckets live here for tests and development: an in-process
 dict (``mem://bucket/prefix``) and a flat directory of objects that several processes share
-(``objdir:///abs/dir``); S3 is another Bucket (``s3.py``).
+(``objdir:///abs/dir``); S3 is another Bucket (``s3.py``, ``s3://bucket/prefix``).
 """
 from __future__ import annotations
 
@@ -43,6 +43,10 @@ class Bucket(ABC):
     @abstractmethod
     def delete_batch(self, keys: List[str]) -> None:
         """Delete up to ``page_size`` keys in one request; missing keys are ignored."""
+
+    def sink(self, key: str, exclusive: bool) -> Sink:
+        """Where one object's bytes go while it is produced (default: memory, then one put)."""
+        return _BufferSink(self, key, exclusive)
 
     def close(self) -> None:
         pass
@@ -86,7 +90,7 @@ class ObjectStorage(Storage):
         return type(self)(self.bucket, self.key(relpath), f"{self.root}/{relpath.strip('/')}")
 
     def _sink(self, relpath: str, atomic: bool, exclusive: bool) -> Sink:
-        return _BufferSink(self.bucket, self.key(relpath), exclusive)
+        return self.bucket.sink(self.key(relpath), exclusive)
 
     def read(self, relpath: str, offset: int = 0, length: Optional[int] = None) -> bytes:
         return self.bucket.get(self.key(relpath), offset, length)

@@ -1,0 +1,270 @@
+"""The manifest of a tag (``manifest.json``) as typed records, and the `done` record that seals it.
+
+Build (rank 0 at commit, the offline tools), parse and validate (every reader), seal (`done` records the
+manifest's size and CRC32C, so a tag that lost or altered its manifest is recognised as damaged), and the
+one check of a file's bytes against its entry.
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Dict, Optional, Tuple
+
+import crc32c as _crc32c
+
+from . import layout
+from ._version import __version__
+from .errors import CorruptCheckpointError
+
+FORMAT = "nxd-ckpt-manifest"
+VERSION = 1
+_DONE_PREFIX = b"nxd-ckpt manifest"
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    """One file of the tag: its size, CRC32C (8 hex digits) and the global rank that wrote it."""
+
+    size: int
+    crc32c: str
+    rank: Optional[int] = None
+
+    def mismatch(self, size: int, crc: Optional[int]) -> Optional[str]:
+        """What is wrong with a file of ``size`` bytes and CRC32C ``crc`` (None: not computed), or None."""
+        if size != self.size:
+            return f"has {size} bytes, the manifest says {self.size} (truncated or overwritten)"
+        if crc is not None and f"{crc:08x}" != self.crc32c:
+            return f"fails its checksum: expected crc32c {self.crc32c}, found {crc:08x} (damaged)"
+        return None
+
+    def check(self, size: int, crc: Optional[int], where: str, hint: str = "") -> None:
+        """Raise CorruptCheckpointError naming ``where`` when the file does not match this entry."""
+        problem = self.mismatch(size, crc)
+        if problem is None:
+            return
+        if size != self.size:
+            expected, found = str(self.size), str(size)
+        else:
+            expected, found = self.crc32c, f"{crc:08x}"
+        raise CorruptCheckpointError(f"{where} {problem}{'; ' + hint if hint else ''}", path=where,
+                                     expected=expected, found=found)
+
+    def check_bytes(self, data, where: str, hint: str = "") -> None:
+        self.check(len(data), _crc32c.crc32c(data), where, hint)
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """One tensor of a shard: dtype name, shape, state-dict key and its partition attributes
+    (``tensor_model_parallel``, ``partition_dim``, ``partition_stride``, ``expert_model_parallel``)."""
+
+    dtype: str
+    shape: Tuple[int, ...]
+    key: str = ""
+    attrs: Dict[str, object] = field(default_factory=dict)
+
+    @classmethod
+    def from_json(cls, d: dict) -> "TensorMeta":
+        rest = {k: v for k, v in d.items() if k not in ("dtype", "shape", "key")}
+        return cls(str(d["dtype"]), tuple(int(x) for x in d["shape"]), str(d.get("key", "")), rest)
+
+    def to_json(self) -> dict:
+        return {"dtype": self.dtype, "shape": list(self.shape), "key": self.key, **self.attrs}
+
+
+@dataclass(frozen=True)
+class Topology:
+    world_size: Optional[int] = None
+    tp: int = 1
+    pp: int = 1
+    dp: Optional[int] = None
+    cp: Optional[int] = None
+    ep: int = 1
+    layout: Optional[str] = None      # NxD's rank layout (parallel_state); None: not recorded (row-major)
+
+    @classmethod
+    def from_json(cls, d: dict) -> "Topology":
+        known = {k: d.get(k) for k in ("world_size", "dp", "cp", "layout")}
+        return cls(tp=int(d.get("tp") or 1), pp=int(d.get("pp") or 1), ep=int(d.get("ep") or 1), **known)
+
+
+@dataclass
+class Manifest:
+    tag: str
+    topology: Topology
+    zero1: bool
+    xser: bool
+    files: Dict[str, FileEntry]
+    tensors: Dict[str, Dict[str, TensorMeta]]     # shard ref path -> tid (str) -> meta
+    has_model: bool = True
+    has_optim: bool = True
+    library_version: str = __version__
+    created_at: float = field(default_factory=time.time)
+    extra: Dict[str, object] = field(default_factory=dict)   # fields other writers added, kept as they are
+
+    def to_json(self) -> dict:
+        return {
+            "format": FORMAT, "format_version": VERSION, "library_version": self.library_version,
+            "tag": self.tag, "created_at": self.created_at,
+            "topology": {k: v for k, v in asdict(self.topology).items() if not (k == "layout" and v is None)},
+            "zero1": self.zero1, "xser": self.xser, "has_model": self.has_model, "has_optim": self.has_optim,
+            **self.extra,
+            "files": {rel: {k: v for k, v in asdict(e).items() if v is not None}
+                      for rel, e in sorted(self.files.items())},
+            "tensors": {rel: {tid: m.to_json() for tid, m in ts.items()} for rel, ts in self.tensors.items()},
+        }
+
+    def body(self) -> bytes:
+        return json.dumps(self.to_json(), indent=1).encode()
+
+    @classmethod
+    def from_json(cls, data: dict) -> "Manifest":
+        known = {"format", "format_version", "library_version", "tag", "created_at", "topology", "zero1", "xser",
+                 "has_model", "has_optim", "files", "tensors"}
+        return cls(
+            tag=str(data.get("tag", "")), topology=Topology.from_json(data["topology"]),
+            zero1=bool(data["zero1"]), xser=bool(data["xser"]),
+            files={rel: FileEntry(int(e["size"]), str(e["crc32c"]), e.get("rank")) for rel, e in data["files"].items()},
+            tensors={rel: {str(tid): TensorMeta.from_json(m) for tid, m in ts.items()}
+                     for rel, ts in data["tensors"].items()},
+            has_model=bool(data.get("has_model", True)), has_optim=bool(data.get("has_optim", True)),
+            library_version=str(data.get("library_version", "")), created_at=float(data.get("created_at", 0.0)),
+            extra={k: v for k, v in data.items() if k not in known},
+        )
+
+    @property
+    def zero1_shards(self) -> Optional[int]:
+        """How many DP shards a ZeRO-1 optimizer state has: ZeRO-1 files are named by the full DP rank,
+        with or without EP."""
+        return self.topology.dp
+
+
+def build(tag: str, topology: dict, flags: dict, files: Dict[str, dict], tensors: Dict[str, dict]) -> Manifest:
+    """A manifest from JSON-shaped pieces (the per-rank reports gathered at commit)."""
+    data = {"tag": tag, "topology": topology, **flags, "files": files, "tensors": tensors}
+    data.setdefault("zero1", False)
+    data.setdefault("xser", True)
+    return Manifest.from_json(data)
+
+
+def seal(body: bytes) -> bytes:
+    """What nxd-ckpt writes into `done` (NxD only checks that it exists): the manifest's size and CRC32C,
+    so a tag that lost its manifest, or whose manifest changed, is recognised as damaged."""
+    return b"%s size=%d crc32c=%08x\n" % (_DONE_PREFIX, len(body), _crc32c.crc32c(body))
+
+
+def sealed(done: Optional[bytes]) -> Optional[Tuple[int, str]]:
+    """(size, crc32c) of the manifest recorded in a `done` body, or None for NxD's (and older) markers."""
+    if not done or not done.startswith(_DONE_PREFIX):
+        return None
+    fields = dict(f.split(b"=", 1) for f in done.split()[2:] if b"=" in f)
+    try:
+        return int(fields[b"size"]), fields[b"crc32c"].decode()
+    except (KeyError, ValueError, UnicodeDecodeError):
+        return -1, ""    # ours, but the record itself is damaged: nothing will match it
+
+
+_FIELDS = {"topology": dict, "files": dict, "tensors": dict, "zero1": bool, "xser": bool}
+
+
+def parse(body: Optional[bytes], done: Optional[bytes], where: str) -> Optional[Manifest]:
+    """The manifest of a tag from the bytes of its manifest file (None: no file) and of its `done`
+    (None: none). None when the tag has no manifest and `done` does not name one (a neuronx-distributed
+    checkpoint). ValueError, saying what is wrong, when it is missing, altered or not a manifest."""
+    seal_ = sealed(done)
+    name = f"{where}/{layout.MANIFEST_FILE}"
+    if body is None:
+        if seal_ is not None:
+            raise ValueError(f"{name} is missing although `done` records one")
+        return None
+    if seal_ is not None:
+        found = (len(body), f"{_crc32c.crc32c(body):08x}")
+        if found != seal_:
+            raise ValueError(f"{name} does not match the size and crc32c recorded in `done` "
+                             f"(expected {seal_[0]} bytes, crc32c {seal_[1]}; found {found[0]}, {found[1]})")
+    try:
+        data = json.loads(body)
+    except ValueError:
+        raise ValueError(f"{name} is not valid JSON") from None
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        raise ValueError(f"{name} is not an nxd-ckpt manifest")
+    wrong = [k for k, kind in _FIELDS.items() if not isinstance(data.get(k), kind)]
+    if wrong:
+        raise ValueError(f"{name} lacks or garbles the fields {wrong}")
+    try:
+        return Manifest.from_json(data)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"{name} has a malformed entry ({exc!r})") from None
+
+
+def read(storage, tag: str) -> Optional[Manifest]:
+    """The manifest of ``tag`` in ``storage``, or None when it has none (NxD checkpoints). ValueError when
+    it is missing although `done` records one, altered, or unreadable."""
+    return parse(_read_if_file(storage, f"{tag}/{layout.MANIFEST_FILE}"),
+                 _read_if_file(storage, f"{tag}/{layout.DONE_MARKER}"), tag)
+
+
+def _read_if_file(storage, rel: str) -> Optional[bytes]:
+    try:
+        return storage.read(rel)
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+        return None
+
+
+# --- what a tag is ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class TagDescription:
+    """What a tag directory holds, from its manifest (ours) or from its file names (NxD's).
+
+    ``topology.dp`` is known from names only for ZeRO-1 optimizer states (the shards); ``zero1_shards``
+    is the number of DP shards of a ZeRO-1 optimizer state (None otherwise)."""
+
+    name: str
+    ours: bool
+    complete: bool
+    topology: Topology
+    zero1: bool
+    zero1_shards: Optional[int]
+    xser: bool
+    has_model: bool
+    has_optim: bool
+    manifest: Optional[Manifest]
+    zero1_dcp: bool = False      # NxD's use_zero1_dcp optimizer (a torch.distributed.checkpoint in optim/)
+
+
+#: describe_tag(..., manifest=NO_MANIFEST): describe from the file names only (the manifest is known to be
+#: absent, or cannot be trusted and the caller reports that itself).
+NO_MANIFEST = object()
+
+
+def describe_tag(storage, name: str, manifest=None) -> TagDescription:
+    """The one answer to "what is this tag": ours or NxD's, complete or not, topology, ZeRO-1, xser. Pass
+    ``manifest`` when it has been read already, or NO_MANIFEST; else it is read here (ValueError when it
+    cannot be trusted)."""
+    if manifest is None:
+        manifest = read(storage, name)
+    elif manifest is NO_MANIFEST:
+        manifest = None
+    complete = storage.isfile(f"{name}/{layout.DONE_MARKER}")
+    has_model, has_optim = storage.isdir(f"{name}/{layout.MODEL_DIR}"), storage.isdir(f"{name}/{layout.OPTIM_DIR}")
+    if manifest is not None:
+        dcp = bool(manifest.extra.get("zero1_dcp"))
+        return TagDescription(name, True, complete, manifest.topology, manifest.zero1,
+                              manifest.zero1_shards if manifest.zero1 and not dcp else None, manifest.xser,
+                              manifest.has_model and has_model, manifest.has_optim and has_optim, manifest, dcp)
+    model = storage.listdir(f"{name}/{layout.MODEL_DIR}") if has_model else []
+    optim = storage.listdir(f"{name}/{layout.OPTIM_DIR}") if has_optim else []
+    shards = [layout.parse_shard_filename(n) for n in optim]
+    optim_shards = [s for s in shards if s is not None]
+    names = [s for s in (layout.parse_shard_filename(n) for n in model) if s is not None] + optim_shards
+    names += [f for f in (layout.parse_full_filename(n) for n in optim) if f is not None]
+    ep = 1 + max((s.ep or 0 for s in names), default=0)
+    zero1 = any(s.dp >= 1 for s in optim_shards)
+    n_shards = 1 + max(s.dp for s in optim_shards) if zero1 else None
+    topo = Topology(tp=1 + max((s.tp for s in names), default=0), pp=1 + max((s.pp for s in names), default=0),
+                    dp=n_shards, ep=ep)   # ZeRO-1 files are named by the full DP rank, with or without EP
+    xser_ = any(n.endswith(layout.TENSORS_SUFFIX) for n in model + optim)
+    if layout.DCP_METADATA_FILE in optim:
+        return TagDescription(name, False, complete, topo, True, None, xser_, has_model, has_optim, None, True)
+    return TagDescription(name, False, complete, topo, zero1, n_shards, xser_, has_model, has_optim, None)

@@ -1,0 +1,244 @@
+"""Amazon S3 (and S3-compatible servers) as a Bucket for ObjectStorage, on boto3.
+
+Keys are NxD's: ``<prefix>/`` + the same relative paths as on disk, no directory placeholder objects.
+Every object is uploaded with the CRC32C computed while it was produced, sent as S3's CRC32C checksum, so
+the server rejects a damaged upload. Objects larger than one part go up as a multipart upload whose parts
+are sent in parallel while the file is still being produced; reads of large objects are parallel ranged
+GETs. Every request is retried on throttling (SlowDown, 503), server errors (500), request timeouts and
+dropped connections with capped exponential backoff and full jitter, until an overall deadline
+(``timeout_s``); then the call raises ``S3Error`` (an OSError) naming the operation, the key and the last
+error. Credentials, region and endpoint come from the standard AWS chain (environment, profiles,
+``AWS_ENDPOINT_URL`` / ``AWS_ENDPOINT_URL_S3``) unless a client or endpoint is passed.
+"""
+from __future__ import annotations
+
+import base64
+import os
+import random
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable, Dict, List, Optional, Tuple
+
+import crc32c as _crc32c
+
+from .base import AlreadyExistsError, FileRecord, Sink, Stat
+from .objects import Bucket
+
+PART_SIZE = 32 << 20          # multipart part size, and the threshold for a multipart upload
+RANGE_SIZE = 32 << 20         # ranged GET size for large objects
+DEFAULT_TIMEOUT_S = 1800.0
+BACKOFF_BASE_S = 0.1
+BACKOFF_CAP_S = 5.0
+
+_RETRY_CODES = {"SlowDown", "Throttling", "ThrottlingException", "RequestTimeout", "RequestTimeTooSkewed",
+                "InternalError", "ServiceUnavailable", "503", "500", "502", "504", "RequestLimitExceeded"}
+
+
+class S3Error(OSError):
+    """An S3 request failed for good (not retryable, or retried until the deadline)."""
+
+
+def _b64_crc(crc: int) -> str:
+    return base64.b64encode(crc.to_bytes(4, "big")).decode()
+
+
+class S3Bucket(Bucket):
+    """One S3 bucket. ``workers`` bounds the parallel part uploads / ranged GETs of this process."""
+
+    def __init__(self, name: str, *, client=None, endpoint_url: Optional[str] = None,
+                 timeout_s: float = DEFAULT_TIMEOUT_S, workers: int = 8):
+        self.name = name
+        self.timeout_s = float(timeout_s)
+        self.client = client if client is not None else make_client(endpoint_url, self.timeout_s)
+        self.workers = max(1, int(workers))
+        self._pool = ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="nxd_ckpt-s3")
+        self.requests: Dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    # --- retries ------------------------------------------------------------------------------------
+    def call(self, op: str, key: str, fn: Optional[Callable] = None, **kw):
+        """``client.<op>(Bucket=..., **kw)`` (or ``fn(Bucket=..., **kw)``) with retries until the deadline."""
+        from botocore.exceptions import ClientError
+
+        deadline = time.monotonic() + self.timeout_s
+        attempt = 0
+        fn = fn or getattr(self.client, op)
+        while True:
+            attempt += 1
+            with self._lock:
+                self.requests[op] = self.requests.get(op, 0) + 1
+            try:
+                return fn(Bucket=self.name, **kw)
+            except ClientError as exc:
+                code = str(exc.response.get("Error", {}).get("Code", ""))
+                status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+                if code in ("NoSuchKey", "404", "NotFound"):
+                    raise FileNotFoundError(f"s3://{self.name}/{key}") from None
+                if code == "PreconditionFailed" or status == 412:
+                    raise AlreadyExistsError(f"s3://{self.name}/{key} already exists") from None
+                if code not in _RETRY_CODES and status not in (500, 502, 503, 504):
+                    raise S3Error(f"S3 {op} of s3://{self.name}/{key} failed: {code}: {exc}") from exc
+                last = f"{code} (HTTP {status})"
+            except _transient_errors() as exc:
+                last = f"{type(exc).__name__}: {exc}"
+            pause = random.uniform(0, min(BACKOFF_CAP_S, BACKOFF_BASE_S * 2 ** (attempt - 1)))
+            if time.monotonic() + pause >= deadline:
+                raise S3Error(f"S3 {op} of s3://{self.name}/{key} did not succeed within {self.timeout_s:.0f}s "
+                              f"({attempt} attempts; last: {last}); check the endpoint, throttling and network")
+            time.sleep(pause)
+
+    # --- Bucket ---------------------------------------------------------------------------------------
+    def put(self, key: str, data: bytes, crc32c: int, if_none_match: bool = False) -> None:
+        kw = {"IfNoneMatch": "*"} if if_none_match else {}
+        self.call("put_object", key, Key=key, Body=data, ChecksumAlgorithm="CRC32C",
+                  ChecksumCRC32C=_b64_crc(crc32c), **kw)
+
+    def sink(self, key: str, exclusive: bool) -> Sink:
+        return _MultipartSink(self, key, exclusive)
+
+    def get(self, key: str, offset: int = 0, length: Optional[int] = None) -> bytes:
+        if length is None:
+            size = self.head(key).size
+            length = max(0, size - offset)
+            if length > RANGE_SIZE:
+                return self._get_parallel(key, offset, length)
+        if length == 0:
+            return b""
+        rng = f"bytes={offset}-{offset + length - 1}"
+        return self._read_body(key, Range=rng)
+
+    def _read_body(self, key: str, **kw) -> bytes:
+        # The body is read inside the retried call: a connection dropped mid-body is retried as well.
+        def get_and_read(**args):
+            return self.client.get_object(**args)["Body"].read()
+
+        return self.call("get_object", key, fn=get_and_read, Key=key, **kw)
+
+    def _get_parallel(self, key: str, offset: int, length: int) -> bytes:
+        out = bytearray(length)
+        ranges = [(o, min(RANGE_SIZE, length - o)) for o in range(0, length, RANGE_SIZE)]
+
+        def fetch(r: Tuple[int, int]) -> None:
+            o, n = r
+            out[o:o + n] = self._read_body(key, Range=f"bytes={offset + o}-{offset + o + n - 1}")
+
+        for _ in self._pool.map(fetch, ranges):
+            pass
+        return bytes(out)
+
+    def head(self, key: str) -> Stat:
+        resp = self.call("head_object", key, Key=key)
+        return Stat(int(resp["ContentLength"]), resp["LastModified"].timestamp())
+
+    def list_page(self, prefix: str, after: Optional[str]) -> Tuple[List[str], Optional[str]]:
+        kw = {"Prefix": prefix, "MaxKeys": self.page_size}
+        if after is not None:
+            kw["ContinuationToken"] = after
+        resp = self.call("list_objects_v2", prefix, **kw)
+        keys = [o["Key"] for o in resp.get("Contents", [])]
+        return keys, (resp.get("NextContinuationToken") if resp.get("IsTruncated") else None)
+
+    def delete_batch(self, keys: List[str]) -> None:
+        if not keys:
+            return
+        resp = self.call("delete_objects", keys[0], Delete={"Objects": [{"Key": k} for k in keys], "Quiet": True})
+        errors = [e for e in resp.get("Errors", []) if e.get("Code") != "NoSuchKey"]
+        if errors:
+            e = errors[0]
+            raise S3Error(f"S3 delete_objects failed for {len(errors)} key(s), e.g. s3://{self.name}/{e.get('Key')}: "
+                          f"{e.get('Code')}: {e.get('Message')}")
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False)
+
+
+class _MultipartSink(Sink):
+    """Buffers up to one part; a larger file becomes a multipart upload whose parts are uploaded in
+    parallel (bounded by the bucket's pool) while the producer keeps writing."""
+
+    def __init__(self, bucket: S3Bucket, key: str, exclusive: bool):
+        self.b, self.key, self.exclusive = bucket, key, exclusive
+        self.buf = bytearray()
+        self.upload_id: Optional[str] = None
+        self.parts: List[Future] = []
+
+    def write(self, view: memoryview) -> None:
+        self.buf += view
+        while len(self.buf) >= PART_SIZE:
+            self._send_part(bytes(self.buf[:PART_SIZE]))
+            del self.buf[:PART_SIZE]
+
+    def _send_part(self, data: bytes) -> None:
+        if self.upload_id is None:
+            resp = self.b.call("create_multipart_upload", self.key, Key=self.key, ChecksumAlgorithm="CRC32C")
+            self.upload_id = resp["UploadId"]
+        number = len(self.parts) + 1
+        # Back-pressure: at most `workers` parts in flight per file, so memory stays bounded.
+        while sum(not f.done() for f in self.parts) >= self.b.workers:
+            next(f for f in self.parts if not f.done()).result()
+        self.parts.append(self.b._pool.submit(self._upload_part, number, data))
+
+    def _upload_part(self, number: int, data: bytes) -> dict:
+        crc = _b64_crc(_crc32c.crc32c(data))
+        resp = self.b.call("upload_part", self.key, Key=self.key, UploadId=self.upload_id, PartNumber=number,
+                           Body=data, ChecksumAlgorithm="CRC32C", ChecksumCRC32C=crc)
+        return {"PartNumber": number, "ETag": resp["ETag"], "ChecksumCRC32C": crc}
+
+    def finish(self, record: FileRecord, durable: bool) -> None:
+        if self.upload_id is None:
+            self.b.put(self.key, bytes(self.buf), record.crc32c, self.exclusive)
+            return
+        if self.buf:
+            self._send_part(bytes(self.buf))
+            self.buf = bytearray()
+        parts = [f.result() for f in self.parts]
+        kw = {"IfNoneMatch": "*"} if self.exclusive else {}
+        self.b.call("complete_multipart_upload", self.key, Key=self.key, UploadId=self.upload_id,
+                    MultipartUpload={"Parts": parts}, **kw)
+        self.upload_id = None
+
+    def abort(self) -> None:
+        self.buf = bytearray()
+        if self.upload_id is None:
+            return
+        for f in self.parts:
+            f.cancel()
+        try:
+            self.b.client.abort_multipart_upload(Bucket=self.b.name, Key=self.key, UploadId=self.upload_id)
+        except Exception:  # noqa: BLE001 - best effort; a lifecycle rule removes stale uploads
+            pass
+        self.upload_id = None
+
+
+def _transient_errors() -> tuple:
+    from botocore.exceptions import (ConnectionClosedError, ConnectTimeoutError, EndpointConnectionError,
+                                     ReadTimeoutError, ResponseStreamingError)
+    from urllib3.exceptions import ProtocolError
+
+    return (ConnectionClosedError, ConnectTimeoutError, EndpointConnectionError, ReadTimeoutError,
+            ResponseStreamingError, ProtocolError, ConnectionError)
+
+
+def make_client(endpoint_url: Optional[str], timeout_s: float):
+    """A boto3 S3 client from the standard AWS configuration chain; our own retries (botocore's are off),
+    botocore's own checksums only where required (we send and verify CRC32C ourselves)."""
+    import boto3
+    from botocore.config import Config
+
+    cfg = Config(retries={"total_max_attempts": 1}, connect_timeout=min(10.0, timeout_s),
+                 read_timeout=min(60.0, timeout_s), max_pool_connections=64,
+                 request_checksum_calculation="when_required", response_checksum_validation="when_required")
+    kw = {"endpoint_url": endpoint_url} if endpoint_url else {}
+    if not os.environ.get("AWS_REGION") and not os.environ.get("AWS_DEFAULT_REGION"):
+        kw["region_name"] = "us-east-1"
+    return boto3.session.Session().client("s3", config=cfg, **kw)
+
+
+def parse_s3_url(url: str) -> Tuple[str, str]:
+    """(bucket, prefix) of ``s3://bucket/prefix``."""
+    rest = url[len("s3://"):]
+    bucket, _, prefix = rest.partition("/")
+    if not bucket:
+        raise ValueError(f"{url!r} names no bucket: pass s3://BUCKET/PREFIX")
+    return bucket, prefix.strip("/")

@@ -1,0 +1,151 @@
+"""S3 against a real S3-compatible server on 127.0.0.1 (moto's server mode; no mocking of boto3), and a
+fault-injecting proxy in front of it for retries and timeouts."""
+from __future__ import annotations
+
+import base64
+import json
+
+import pytest
+
+pytest.importorskip("boto3")
+
+from harness import run_ranks  # noqa: E402
+from s3_fixtures import fault_proxy, moto_endpoint, s3_url  # noqa: E402,F401 - fixtures
+from test_integrity import _assert_state, _objects, _state  # noqa: E402
+from tiny_models import TinyShard, assert_bit_equal, to_cpu_state, train_steps, xla_device  # noqa: E402
+
+
+def _boto(endpoint):
+    import boto3
+
+    return boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
+
+
+def _split(url):
+    bucket, _, prefix = url[len("s3://"):].partition("/")
+    return bucket, prefix
+
+
+def _keys(client, url):
+    bucket, prefix = _split(url)
+    pages = client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix + "/")
+    return sorted(o["Key"][len(prefix) + 1:] for p in pages for o in p.get("Contents", []))
+
+
+def test_save_load_retention_in_nxd_key_layout(s3_url, moto_endpoint):
+    """NxD's keys (prefix + relative paths, no directory objects), CRC32C stored with every object,
+    retention by batched DeleteObjects with `done` first, load bit-exact."""
+    import nxd_ckpt
+
+    client = _boto(moto_endpoint)
+    model, opt, sched = _objects()
+    states = {}
+    for step in (1, 2, 3):
+        train_steps(model, opt, 1, seed=3, sched=sched, start=step - 1)
+        states[step] = _state(model, opt, sched)
+        nxd_ckpt.save_checkpoint(s3_url, f"step_{step}", use_xser=True, model=model, optimizer=opt, scheduler=sched,
+                                 user_content={"step": step}, num_kept_ckpts=2)
+    keys = _keys(client, s3_url)
+    assert not any(k.endswith("/") or ".nxdtmp" in k for k in keys), keys
+    assert sorted({k.split("/")[0] for k in keys}) == ["newest", "step_2", "step_3"]
+    assert nxd_ckpt.list_checkpoints(s3_url) == ["step_3", "step_2"] and nxd_ckpt.has_checkpoint(s3_url)
+    man = json.loads(client.get_object(Bucket=_split(s3_url)[0], Key=_split(s3_url)[1] + "/step_3/manifest.json")["Body"].read())
+    bucket, prefix = _split(s3_url)
+    for rel, entry in list(man["files"].items())[:5]:      # S3 holds our CRC32C as the object's checksum
+        head = client.head_object(Bucket=bucket, Key=f"{prefix}/step_3/{rel}", ChecksumMode="ENABLED")
+        assert base64.b64decode(head["ChecksumCRC32C"]).hex() == entry["crc32c"], rel
+    fresh, fopt, fsched = _objects(seed_offset=5)
+    assert nxd_ckpt.load_checkpoint(s3_url, model=fresh, optimizer=fopt, scheduler=fsched) == {"step": 3}
+    _assert_state(states[3], fresh, fopt, fsched)
+
+
+def test_flipped_byte_in_an_object_is_caught(s3_url, moto_endpoint):
+    import nxd_ckpt
+
+    client = _boto(moto_endpoint)
+    model, opt, sched = _objects()
+    states = {}
+    for step, tag in ((1, "a"), (2, "b")):
+        train_steps(model, opt, 1, seed=3, sched=sched, start=step - 1)
+        states[tag] = _state(model, opt, sched)
+        nxd_ckpt.save_checkpoint(s3_url, tag, use_xser=True, model=model, optimizer=opt, scheduler=sched, user_content={"step": step})
+    bucket, prefix = _split(s3_url)
+    key = f"{prefix}/b/model/dp_rank_00_tp_rank_00_pp_rank_00.pt.tensors/tensor_0.pt"
+    data = bytearray(client.get_object(Bucket=bucket, Key=key)["Body"].read())
+    data[len(data) // 2] ^= 0x10
+    client.put_object(Bucket=bucket, Key=key, Body=bytes(data))
+    fresh, fopt, fsched = _objects(seed_offset=5)
+    before = _state(fresh, fopt, fsched)
+    with pytest.raises(nxd_ckpt.CorruptCheckpointError, match="fails its checksum"):
+        nxd_ckpt.load_checkpoint(s3_url, tag="b", model=fresh, optimizer=fopt, scheduler=fsched)
+    _assert_state(before, fresh, fopt, fsched)
+    assert nxd_ckpt.load_checkpoint(s3_url, model=fresh, optimizer=fopt, scheduler=fsched) == {"step": 1}
+    _assert_state(states["a"], fresh, fopt, fsched)
+
+
+def test_large_object_goes_multipart_and_reads_back_in_ranges(s3_url, monkeypatch):
+    """Parts are uploaded in parallel while the file is produced; reads are parallel ranged GETs."""
+    import torch
+
+    import nxd_ckpt
+    from nxd_ckpt.storage import open_storage, s3
+
+    monkeypatch.setattr(s3, "PART_SIZE", 5 << 20)     # S3's minimum part size
+    monkeypatch.setattr(s3, "RANGE_SIZE", 3 << 20)
+    big = {"w": torch.randn(3 << 20)}                  # 12 MiB: 3 parts
+    nxd_ckpt.save_checkpoint(s3_url, "big", use_xser=True, model=big)
+    storage = open_storage(s3_url)
+    counts = dict(storage.bucket.requests)
+    assert counts.get("upload_part", 0) >= 3 and counts.get("complete_multipart_upload", 0) >= 1, counts
+    target = {}
+    nxd_ckpt.load_checkpoint(s3_url, model=target)
+    assert torch.equal(target["w"], big["w"])
+
+
+def test_multirank_async_save_and_load(s3_url):
+    from test_object_store import _tp2_dp2_rank
+
+    assert run_ranks(_tp2_dp2_rank, 2, s3_url, timeout=180) == [True, True]
+
+
+# --- faults --------------------------------------------------------------------------------------------
+def test_slowdown_burst_is_retried(fault_proxy):
+    import nxd_ckpt
+
+    proxy, url = fault_proxy
+    model = TinyShard()
+    proxy.slowdown(6)
+    nxd_ckpt.save_checkpoint(url, "s", use_xser=True, model=model, user_content={"ok": 1})
+    assert proxy.injected["slowdown"] == 6
+    fresh = TinyShard(seed_offset=3)
+    assert nxd_ckpt.load_checkpoint(url, model=fresh) == {"ok": 1}
+    assert_bit_equal(to_cpu_state(model.state_dict()), to_cpu_state(fresh.state_dict()))
+
+
+def test_connection_reset_mid_upload_is_retried(fault_proxy):
+    import torch
+
+    import nxd_ckpt
+
+    proxy, url = fault_proxy
+    state = {f"w{i}": torch.randn(4096) for i in range(3)}      # 16 KiB objects
+    proxy.reset_uploads(3)
+    nxd_ckpt.save_checkpoint(url, "s", use_xser=True, model=state)
+    assert proxy.injected["reset"] == 3
+    target = {}
+    nxd_ckpt.load_checkpoint(url, model=target)
+    assert all(torch.equal(target[k], v) for k, v in state.items())
+
+
+def test_server_that_stops_answering_fails_every_rank_within_timeout(fault_proxy):
+    """Every rank raises RankFailureError (none hangs); the tag is never marked complete."""
+    import nxd_ckpt
+
+    proxy, url = fault_proxy
+    nxd_ckpt.save_checkpoint(url, "good", use_xser=True, model=TinyShard())
+    proxy.blackhole(True)
+    with pytest.raises(nxd_ckpt.RankFailureError, match="did not succeed within 3s"):
+        nxd_ckpt.save_checkpoint(url, "stuck", use_xser=True, model=TinyShard(), timeout_s=3)
+    assert proxy.injected["blackholed"] > 0
+    proxy.blackhole(False)
+    assert nxd_ckpt.list_checkpoints(url) == ["good"]
