@@ -268,7 +268,7 @@ def _param_names(f: _OptimFile, keys: List[str], model: Dict[str, TensorSource],
     data = f.data
     sizes = [len(g["params"]) for g in data["param_groups"]]
     count = len(data["shape_info"]) if zero1 else sum(sizes)
-    recorded = ((reader.manifest or {}).get("optim_params") or {}).get(f.rel)
+    recorded = ((reader.manifest.extra if reader.manifest is not None else {}).get("optim_params") or {}).get(f.rel)
     for order in param_orders(keys, sizes, count, recorded):
         if not zero1 or all(tuple(int(d) for d in data["shape_info"][i]) == _local_shape(model[k], ntp)
                             for i, k in enumerate(order)):

@@ -272,11 +272,11 @@ def test_nxd_weight_decay_groups_map_by_group_order(tmp_path):
     # as a tag written by save_checkpoint would be: no recorded names
     man = json.loads((tmp_path / "a" / "manifest.json").read_text())
     del man["optim_params"]
-    from nxd_ckpt import commit
+    from nxd_ckpt import manifest as manifest_mod
 
     body = json.dumps(man, indent=1).encode()
     (tmp_path / "a" / "manifest.json").write_bytes(body)
-    (tmp_path / "a" / "done").write_bytes(commit.done_body(body))
+    (tmp_path / "a" / "done").write_bytes(manifest_mod.seal(body))
     back = read_tag(str(tmp_path / "a"))
     for n in names:
         assert_bit_equal(back.optim.params[n].moments["exp_avg"].checked(), vals[n][1], n)
