@@ -356,10 +356,9 @@ def _read_dcp(reader: FileReader, world: World, model, optimizer) -> dict:
 def _master_tids(reader: FileReader, rel: str):
     """The model tids whose data lies in the ZeRO-1 master weights: as recorded in our manifest, or every one
     (neuronx-distributed writes none of the model's tensor files in this mode)."""
-    if reader.manifest is None:
-        return ALL
-    meta = reader.manifest.tensors.get(rel, {})
-    return {int(tid) for tid, m in meta.items() if masters.INDEX_META in m.attrs}
+    meta = reader.manifest.tensors.get(rel, {}) if reader.manifest is not None else {}
+    recorded = {int(tid) for tid, m in meta.items() if masters.INDEX_META in m.attrs}
+    return recorded or ALL     # none recorded: written by NxD (perhaps converted since), no tensor file at all
 
 
 @dataclass
@@ -472,9 +471,10 @@ def _master_index(state: dict, shard, paths: Dict[int, str], shape_info) -> Dict
     """tid -> ZeRO-1 index of the absent model tensors: from our manifest, else matched on the live model and
     optimizer (or by order and shape)."""
     manifest = state.get("manifest")
-    if manifest is not None:
-        meta = manifest.tensors.get(shard.relpath, {})
-        return {int(t): int(m.attrs[masters.INDEX_META]) for t, m in meta.items() if masters.INDEX_META in m.attrs}
+    meta = manifest.tensors.get(shard.relpath, {}) if manifest is not None else {}
+    recorded = {int(t): int(m.attrs[masters.INDEX_META]) for t, m in meta.items() if masters.INDEX_META in m.attrs}
+    if recorded:
+        return recorded
     model, optimizer = state.get("targets", (None, None))
     keys_shapes = [(paths.get(t, ""), tuple(shard.info[t]["shape"])) for t in sorted(shard.absent)
                    if shard.info and t in shard.info]

@@ -27,7 +27,7 @@ import torch
 
 import xser
 
-from . import commit, layout
+from . import commit, layout, masters
 from . import manifest as manifest_mod
 from .errors import CheckpointArgumentError, CheckpointError, CorruptCheckpointError
 from .outdir import check_output_dir, publish_output
@@ -268,6 +268,10 @@ def _scan_optim(root: str, folder_rel: str) -> Tuple[Dict[tuple, Dict[int, str]]
     if shards and fulls:
         raise Zero1FormatError(
             f"{folder} holds both dp_rank_* shards and full_* files; keep one kind (move the other away) and retry")
+    if not shards and not fulls and os.path.isfile(os.path.join(folder, layout.DCP_METADATA_FILE)):
+        raise Zero1FormatError(
+            f"{folder} holds a use_zero1_dcp optimizer (a torch.distributed.checkpoint): load_checkpoint reads it at "
+            "any DP size directly, no conversion is needed")
     if not shards and not fulls:
         raise Zero1FormatError(
             f"{folder} holds no optimizer files (dp_rank_*_tp_rank_*_pp_rank_*.pt or full_tp_rank_*_pp_rank_*.pt)")
@@ -837,6 +841,8 @@ def _write_manifest(out: LocalStorage, tag: str, in_manifest: Optional[manifest_
              "has_model": os.path.isdir(os.path.join(src, layout.MODEL_DIR)), "has_optim": True}
     if full_out:
         flags["zero1_full"] = True
+    if (in_manifest.extra.get(masters.FLAG) if in_manifest is not None else layout.model_data_absent(src)):
+        flags[masters.FLAG] = True    # the model's weights still lie only in the (converted) master weights
     files = {}
     in_files = in_manifest.files if in_manifest else {}
     for rel, rec in sorted(records.items()):

@@ -159,3 +159,21 @@ def test_single_process_round_trip_and_tools_say_where_the_weights_are(tmp_path,
     assert "weights kept only as ZeRO-1 master weights" in capsys.readouterr().out
     assert cli_main(["ls", str(tmp_path)]) == 0
     assert "s: model weights kept only as ZeRO-1 master weights" in capsys.readouterr().out
+
+
+def test_convert_zero1_keeps_the_model_in_the_master_weights(tmp_path):
+    """convert-zero1 of an avoid_saving checkpoint: the converted tag still says where the model's weights are."""
+    from nxd_ckpt.testing import ZeroOneAdam
+
+    model = TinyShard(device="cpu")
+    opt = ZeroOneAdam(model.parameters())
+    train_steps(model, opt, 1, seed=2)
+    nxd_ckpt.save_checkpoint(str(tmp_path), "s", model=model, optimizer=opt, use_xser=True,
+                             avoid_saving_lower_precision_weights=True)
+    assert cli_main(["convert-zero1", "--input_dir", str(tmp_path / "s"), "--output_dir", str(tmp_path / "s2"),
+                     "--convert_to_sharded", "--dp_size", "2"]) == 0
+    assert json.load(open(tmp_path / "s2" / "manifest.json"))["model_from_master_weights"] is True
+    fresh = TinyShard(device="cpu", seed_offset=4)
+    nxd_ckpt.load_checkpoint(str(tmp_path), "s2", model=fresh)     # the model from the DP=2 master weights
+    assert_bit_equal(to_cpu_state(model.state_dict()), to_cpu_state(fresh.state_dict()), "model")
+    assert cli_main(["verify", str(tmp_path / "s2")]) == 0

@@ -205,3 +205,17 @@ def test_pp2_stages_with_different_names_saved_at_dp2_load_at_dp1(tmp_path):
             for key in ("exp_avg", "exp_avg_sq"):
                 assert_bit_equal(_full(stage, key, i), state["base_state"][i][key], f"pp {pp} param {i} {key}")
         assert state["shape_info"] == stage[0]["shape_info"]
+
+
+def test_convert_zero1_says_a_dcp_optimizer_needs_no_conversion(tmp_path, capsys):
+    from nxd_ckpt.cli import main as cli_main
+    from nxd_ckpt.testing import ZeroOneAdam
+
+    model = TinyShard(device="cpu")
+    opt = ZeroOneAdam(model.parameters(), save_master_weights=False)
+    nxd_ckpt.save_checkpoint(str(tmp_path), "d", model=model, optimizer=opt, async_save=True, use_zero1_dcp=True)
+    nxd_ckpt.finalize_checkpoint()
+    assert cli_main(["convert-zero1", "--input_dir", str(tmp_path / "d"), "--output_dir", str(tmp_path / "d2"),
+                     "--convert_to_sharded", "--dp_size", "2"]) == 1
+    assert "load_checkpoint reads it at any DP size directly" in capsys.readouterr().err
+    assert not os.path.exists(tmp_path / "d2")
