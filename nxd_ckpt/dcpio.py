@@ -170,18 +170,25 @@ def _meta_bytes(state: FullState, layout_kind: str) -> bytes:
     return buf.getvalue()
 
 
-def _streaming_planner(loaders: Dict[str, TensorSource], bar):
+def _streaming_planner(loaders: Dict[str, TensorSource], bar, failed: List[BaseException]):
+    """A SavePlanner that loads each tensor from its source when the writer asks for it. A failure to read
+    (damaged input, ...) is recorded in ``failed`` and every later tensor is handed over empty, so the
+    writer's threads finish at once; the caller raises the recorded error and discards the output."""
     from torch.distributed.checkpoint import DefaultSavePlanner
     from torch.distributed.checkpoint.planner import WriteItemType
 
     class StreamingSavePlanner(DefaultSavePlanner):
-        """Hands the writer each tensor from its source when the writer asks for it."""
-
         def resolve_data(self, write_item):
             src = loaders.get(write_item.index.fqn)
             if src is None or write_item.type == WriteItemType.BYTE_IO:
                 return super().resolve_data(write_item)
-            t = src.checked().contiguous()
+            if failed:
+                return torch.empty(0, dtype=src.dtype)
+            try:
+                t = src.checked().contiguous()
+            except Exception as exc:  # noqa: BLE001 - raised by write_dcp once DCP's threads are done
+                failed.append(exc)
+                return torch.empty(0, dtype=src.dtype)
             if bar is not None:
                 bar.update(src.nbytes)
             return t
@@ -228,10 +235,19 @@ def write_dcp(state: FullState, dst: str, layout_kind: str = "plain", *, progres
                    desc="to-dcp")
     try:
         # One file per tensor: DCP's writer keeps every tensor of a file alive until the file is done (it
-        # gathers them for its safetensors format), so one file for all would hold the whole state.
-        writer = dcp.FileSystemWriter(stage, single_file_per_rank=False, sync_files=True, thread_count=1)
-        with _quiet_dcp(crc32=False):
-            dcp.save(sd, storage_writer=writer, planner=_streaming_planner(loaders, bar), no_dist=True)
+        # gathers them for its safetensors format), so one file for all would hold the whole state. Two writer
+        # threads: one reads and joins the next tensor while the other writes (measured 1.7x faster here).
+        writer = dcp.FileSystemWriter(stage, single_file_per_rank=False, sync_files=True, thread_count=2)
+        failed: List[BaseException] = []
+        try:
+            with _quiet_dcp(crc32=False):
+                dcp.save(sd, storage_writer=writer, planner=_streaming_planner(loaders, bar, failed), no_dist=True)
+        except Exception:
+            if failed:
+                raise failed[0] from None
+            raise
+        if failed:
+            raise failed[0]
         files = sorted(os.listdir(stage))
         _seal(stage, os.path.basename(dst), files, layout_kind, state, source)
         publish_output(stage, dst)

@@ -296,8 +296,41 @@ def _leaf(reader: CheckedReader, f: _OptimFile, path: tuple, mapped: bool = Fals
                                      "from one save") from None
     if xser.is_ref(obj):
         rel = layout.tensor_path(f.rel, obj.tid)
-        return reader.tensor_mapped(rel) if mapped else reader.tensor(rel)
+        return _tensor_in_place(reader, rel) if mapped else reader.tensor(rel)
     return obj
+
+
+def _tensor_in_place(reader: CheckedReader, rel: str) -> torch.Tensor:
+    """One tensor file read once into a buffer, checked against the manifest there, and unpickled with the
+    tensor as a view of the buffer: one pass over the bytes and one copy in memory."""
+    from .verify import check_bytes
+
+    where = reader.path(rel)
+    try:
+        size = os.path.getsize(where)
+        buf = torch.empty(size, dtype=torch.uint8)
+        view = memoryview(buf.numpy())
+        with open(where, "rb", buffering=0) as fh:
+            got = 0
+            while got < size:
+                n = fh.readinto(view[got:])
+                if not n:
+                    break
+                got += n
+    except FileNotFoundError:
+        raise CorruptCheckpointError(f"{where} is missing", path=where) from None
+    entry = reader.files.get(rel)
+    if entry is not None:
+        check_bytes(rel, view[:got], entry, where)
+    try:
+        t = xser.load_pickle_in_place(buf[:got] if got < size else buf, trusted=reader.trusted, name=where)
+    except xser.UnsafeCheckpointError:
+        raise
+    except Exception as exc:  # noqa: BLE001
+        raise CorruptCheckpointError(f"{where} is not a readable tensor file: {exc}", path=where) from exc
+    if not isinstance(t, torch.Tensor):
+        raise CorruptCheckpointError(f"{where} does not hold a tensor", path=where)
+    return t
 
 
 def _param_state(reader: CheckedReader, per_tp: List[List[_OptimFile]], i: int, param: TensorSource,

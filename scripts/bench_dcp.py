@@ -104,6 +104,7 @@ def main(argv=None) -> int:
         write_tag(state, src, TagSizes(2, 1, 4, True), converted_from={"path": "synthetic"}, progress=False)
         res["build_s"] = time.perf_counter() - t0
         res["tag_bytes"] = tree_bytes(src)
+        shutil.rmtree(dst, ignore_errors=True)   # a previous run's output in --dir
         startup = run_measured([sys.executable, "-c", "import nxd_ckpt.cli, nxd_ckpt.convert, nxd_ckpt.dcpio, "
                                                       "torch.distributed.checkpoint"], env)
         res["python_startup_s"] = startup["wall_s"]

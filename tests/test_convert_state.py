@@ -315,3 +315,18 @@ def test_export_import_export_same_bytes(tmp_path):
     assert len(files) > 2 and files == sorted(os.listdir(tmp_path / "hf2"))
     for f in files:
         assert (tmp_path / "hf1" / f).read_bytes() == (tmp_path / "hf2" / f).read_bytes(), f
+
+
+def test_damaged_input_is_refused_and_nothing_published(tmp_path, capsys):
+    state, _ = full_state()
+    write_tag(state, str(tmp_path / "a"), TagSizes(2, 1, 2, True), converted_from={})
+    victim = tmp_path / "a" / "optim" / "dp_rank_01_tp_rank_01_pp_rank_00.pt.tensors" / "tensor_2.pt"
+    data = bytearray(victim.read_bytes())
+    data[-20] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    assert main(["to-dcp", str(tmp_path / "a"), str(tmp_path / "d")]) == 1
+    err = capsys.readouterr().err
+    assert "tensor_2.pt fails its checksum" in err
+    assert not os.path.exists(tmp_path / "d") and not os.path.exists(str(tmp_path / "d") + ".nxdtmp")
+    assert main(["reshard", str(tmp_path / "a"), str(tmp_path / "r"), "--tp", "1"]) == 1
+    assert not os.path.exists(tmp_path / "r") and not os.path.exists(str(tmp_path / "r") + ".nxdtmp")
