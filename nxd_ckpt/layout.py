@@ -130,20 +130,6 @@ def tag_dir(checkpoint_dir: str, tag: str) -> str:
     return os.path.join(checkpoint_dir, tag)
 
 
-def is_complete_dir(path: str) -> bool:
-    """A tag directory is complete when its `done` marker exists (NxD's rule)."""
-    return os.path.isfile(os.path.join(path, DONE_MARKER))
-
-
-def looks_like_checkpoint_dir(path: str) -> bool:
-    """True for directories retention may delete: ours (manifest) or NxD's (`checkpoint` + model/ or optim/)."""
-    if os.path.isfile(os.path.join(path, MANIFEST_FILE)):
-        return True
-    return os.path.isfile(os.path.join(path, CHECKPOINT_MARKER)) and (
-        os.path.isdir(os.path.join(path, MODEL_DIR)) or os.path.isdir(os.path.join(path, OPTIM_DIR))
-    )
-
-
 def holds_checkpoint_data(path: str) -> bool:
     """True when a tag directory holds something load_checkpoint reads: a shard (ref file, or NxD's DCP
     optimizer) in model/ or optim/, or scheduler.pt / user_content.pt."""

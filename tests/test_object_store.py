@@ -27,19 +27,25 @@ def _store(url):
     return open_storage(url)
 
 
-@pytest.fixture
-def saved():
-    """Two complete checkpoints 'a' and 'b' in a fresh in-memory bucket, and the state saved in each."""
+def save_two(url: str) -> dict:
+    """Save two complete xser checkpoints 'a' (step 1) and 'b' (step 2) to ``url``; the state saved in each."""
     import nxd_ckpt
 
-    url = _mem_url()
     model, opt, sched = _objects()
     states = {}
     for step, tag in ((1, "a"), (2, "b")):
         train_steps(model, opt, 1, seed=3, sched=sched, start=step - 1)
         states[tag] = _state(model, opt, sched)
-        nxd_ckpt.save_checkpoint(url, tag, use_xser=True, model=model, optimizer=opt, scheduler=sched, user_content={"step": step})
-    return url, states
+        nxd_ckpt.save_checkpoint(url, tag, use_xser=True, model=model, optimizer=opt, scheduler=sched,
+                                 user_content={"step": step})
+    return states
+
+
+@pytest.fixture
+def saved():
+    """Two complete checkpoints 'a' and 'b' in a fresh in-memory bucket, and the state saved in each."""
+    url = _mem_url()
+    return url, save_two(url)
 
 
 def test_marker_commit_writes_final_keys_and_no_directory_objects(saved):

@@ -62,13 +62,10 @@ def test_save_load_retention_in_nxd_key_layout(s3_url, moto_endpoint):
 def test_flipped_byte_in_an_object_is_caught(s3_url, moto_endpoint):
     import nxd_ckpt
 
+    from test_object_store import save_two
+
     client = _boto(moto_endpoint)
-    model, opt, sched = _objects()
-    states = {}
-    for step, tag in ((1, "a"), (2, "b")):
-        train_steps(model, opt, 1, seed=3, sched=sched, start=step - 1)
-        states[tag] = _state(model, opt, sched)
-        nxd_ckpt.save_checkpoint(s3_url, tag, use_xser=True, model=model, optimizer=opt, scheduler=sched, user_content={"step": step})
+    states = save_two(s3_url)
     bucket, prefix = _split(s3_url)
     key = f"{prefix}/b/model/dp_rank_00_tp_rank_00_pp_rank_00.pt.tensors/tensor_0.pt"
     data = bytearray(client.get_object(Bucket=bucket, Key=key)["Body"].read())
