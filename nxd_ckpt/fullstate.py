@@ -303,8 +303,6 @@ def _leaf(reader: CheckedReader, f: _OptimFile, path: tuple, mapped: bool = Fals
 def _tensor_in_place(reader: CheckedReader, rel: str) -> torch.Tensor:
     """One tensor file read once into a buffer, checked against the manifest there, and unpickled with the
     tensor as a view of the buffer: one pass over the bytes and one copy in memory."""
-    from .verify import check_bytes
-
     where = reader.path(rel)
     try:
         size = os.path.getsize(where)
@@ -321,7 +319,7 @@ def _tensor_in_place(reader: CheckedReader, rel: str) -> torch.Tensor:
         raise CorruptCheckpointError(f"{where} is missing", path=where) from None
     entry = reader.files.get(rel)
     if entry is not None:
-        check_bytes(rel, view[:got], entry, where)
+        entry.check_bytes(view[:got], where)
     try:
         t = xser.load_pickle_in_place(buf[:got] if got < size else buf, trusted=reader.trusted, name=where)
     except xser.UnsafeCheckpointError:
