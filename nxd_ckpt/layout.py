@@ -103,6 +103,12 @@ def tensor_home(ref_relpath: str, expert: bool) -> str:
     return f"{head}/{moved}" if head else moved
 
 
+def own_home(ref_relpath: str, expert: bool) -> str:
+    """``tensor_home`` of nxd-ckpt's legacy EP layout (``manifest.legacy_ep_folders``): every tensor in its own
+    shard's folder."""
+    return ref_relpath
+
+
 def is_expert(info_entry) -> bool:
     """Whether an ``.info.pt`` (or manifest) entry marks its tensor expert-parallel."""
     return bool(info_entry and info_entry.get("expert_model_parallel"))

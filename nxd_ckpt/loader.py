@@ -93,6 +93,7 @@ def saved_topology(storage: Storage, tag: str, manifest: Optional[manifest_mod.M
         t["zero1_dcp"] = True
     if manifest is not None:
         t["from_masters"] = bool(manifest.extra.get(masters.FLAG, False))
+        t["legacy_ep"] = manifest_mod.legacy_ep_folders(manifest)
     else:
         local = storage.local_path(tag)
         t["from_masters"] = bool(local) and layout.model_data_absent(local)
@@ -290,23 +291,25 @@ def _read_parts(reader: FileReader, saved: dict, world: World, want_model: bool,
     cooperative = world.distributed and world.world_size > 1 and not node_local
     xser_shard = bool(saved.get("xser", True))
     with ThreadPoolExecutor(max_workers=max(1, num_workers)) as pool:
-        zero1 = bool(saved.get("zero1"))
+        zero1, legacy = bool(saved.get("zero1")), saved.get("legacy_ep") or frozenset()
+        old_names = layout.OPTIM_DIR in legacy
         parts = (("model", layout.MODEL_DIR, want_model, lambda r: model_filename(topo, r)),
-                 ("optim", layout.OPTIM_DIR, want_optim, lambda r: optim_filename(topo, r, zero1)))
+                 ("optim", layout.OPTIM_DIR, want_optim, lambda r: optim_filename(topo, r, zero1, old_names)))
         for part, folder, wanted, name_of in parts:
             if not wanted:
                 continue
             if part == "optim" and saved.get("zero1_dcp"):
                 out["optim"] = _read_dcp(reader, world, *targets)
                 continue
+            home = layout.own_home if folder in legacy else layout.tensor_home
             name = name_of(world.rank)
             rel = f"{folder}/{name}"
             _require(reader, rel, "model" if part == "model" else "optimizer")
             groups = replica_groups(topo, name_of)
-            homes = replica_groups(topo, home_filename(name_of))   # who shares the non-expert tensors
+            homes = replica_groups(topo, home_filename(name_of, home))   # who shares the non-expert tensors
             from_masters = part == "model" and saved.get("from_masters")
             out[part] = read_shard(reader, rel, groups[name], world.rank, pool, cooperative, xser_shard,
-                                   home_replicas=homes[layout.tensor_home(name, expert=False)],
+                                   home_replicas=homes[home(name, False)], home_of=home,
                                    skip=_master_tids(reader, rel) if from_masters else ())
             out[f"{part}_groups"] = list(groups.values()) + list(homes.values())
             if from_masters:

@@ -140,6 +140,36 @@ class Manifest:
         return self.topology.dp
 
 
+def legacy_ep_folders(manifest: Optional[Manifest]) -> frozenset:
+    """The folders (``model``, ``optim``) of an expert-parallel checkpoint that nxd-ckpt wrote in its layout
+    before it took NxD's (0.1.0 up to commit 5310e3a; read, never written): there every shard keeps all its
+    tensors in its own ``.tensors/`` folder (``layout.own_home``), and ZeRO-1 optimizer files are named
+    ``dp_rank_{expert-DP rank}_ep_rank_{EP rank}_...``. Told by the manifest (NxD writes none): ZeRO-1 files
+    with an ep field, or an ``ep_rank`` > 0 shard listing the tensor file of a tensor not marked expert,
+    which NxD's layout keeps only under ``ep_rank_00``. Per folder, as convert-zero1 rewrites optim/ only."""
+    if manifest is None or manifest.topology.ep <= 1:
+        return frozenset()
+    found = set()
+    if manifest.zero1 and any(_ep_named(rel, layout.OPTIM_DIR) for rel in manifest.files):
+        found.add(layout.OPTIM_DIR)
+    for rel, metas in manifest.tensors.items():
+        folder = rel.partition("/")[0]
+        if folder in found or not _ep_named(rel, folder, above_zero=True):
+            continue
+        if any(not m.attrs.get("expert_model_parallel")
+               and f"{layout.tensors_dir(rel)}/{layout.tensor_filename(int(t))}" in manifest.files
+               for t, m in metas.items()):
+            found.add(folder)
+    return frozenset(found)
+
+
+def _ep_named(relpath: str, folder: str, above_zero: bool = False) -> bool:
+    """Whether ``relpath`` is a shard ref file directly in ``folder`` with an ep field (> 0 if ``above_zero``)."""
+    head, _, name = relpath.rpartition("/")
+    s = layout.parse_shard_filename(name)
+    return head == folder and s is not None and s.ep is not None and (s.ep > 0 or not above_zero)
+
+
 def build(tag: str, topology: dict, flags: dict, files: Dict[str, dict], tensors: Dict[str, dict]) -> Manifest:
     """A manifest from JSON-shaped pieces (the per-rank reports gathered at commit)."""
     data = {"tag": tag, "topology": topology, **flags, "files": files, "tensors": tensors}

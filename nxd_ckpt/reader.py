@@ -187,14 +187,15 @@ ALL = object()
 
 def read_shard(reader: FileReader, relpath: str, replicas: List[int], rank: int, pool: ThreadPoolExecutor,
                cooperative: bool, xser_shard: bool = True, home_replicas: Optional[List[int]] = None,
-               skip=()) -> ShardRead:
+               skip=(), home_of=layout.tensor_home) -> ShardRead:
     """Read the ref (and info) of a shard and this rank's share of its tensors (all of them when the
     replicas cannot cooperate: no info file, or no process group). A plain shard is read by one replica
     only (chosen by the file's name, so model and optimizer shards go to different replicas).
 
     ``home_replicas``: the ranks whose shards keep their non-expert tensors in the same folder as this one
-    (``layout.tensor_home``; all EP ranks of an expert-parallel shard), who share reading them. The ``skip`` tids (``ALL``: every one) have no tensor file: they are listed
-    in ``absent``, for the caller to fill (avoid_saving_lower_precision_weights)."""
+    (``home_of``: ``layout.tensor_home``, all EP ranks of an expert-parallel shard; ``layout.own_home`` for the
+    legacy EP layout), who share reading them. The ``skip`` tids (``ALL``: every one) have no tensor file:
+    they are listed in ``absent``, for the caller to fill (avoid_saving_lower_precision_weights)."""
     if cooperative and not xser_shard and len(replicas) > 1:
         owner = replicas[zlib.crc32(relpath.encode()) % len(replicas)]
         shard = ShardRead(relpath, None, [], {}, None, replicas=list(replicas), raw_owner=owner,
@@ -213,7 +214,7 @@ def read_shard(reader: FileReader, relpath: str, replicas: List[int], rank: int,
     complete = info is not None and all(t in info for t in tids)
     # Without .info.pt (NxD <= 0.6) nothing says which tensors are experts: each lives in its own folder.
     expert = {t: layout.is_expert(info[t]) if complete else True for t in tids}
-    home = {t: layout.tensor_home(relpath, expert[t]) for t in tids}
+    home = {t: home_of(relpath, expert[t]) for t in tids}
     if cooperative and complete:
         group_of = {t: tuple(sorted(replicas if expert[t] else (home_replicas or replicas))) for t in tids}
         owner_of = {}

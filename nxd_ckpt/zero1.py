@@ -305,16 +305,17 @@ def _ep_error(input_dir: str, problem: str) -> str:
 
 
 def expert_parallel_size(input_dir: str, tagdir: Optional[str], manifest: Optional[manifest_mod.Manifest],
-                         groups_in: Dict[tuple, Dict[int, str]]) -> int:
+                         groups_in: Dict[tuple, Dict[int, str]], legacy_names: bool = False) -> int:
     """EP of the input (1 without expert parallelism), from the manifest or the model/ file names. Raises
     Zero1FormatError, before anything is written, for what cannot be converted: optimizer files named by
-    ep rank (a plain, not ZeRO-1, optimizer), or an EP checkpoint in a non-row-major rank layout."""
-    named = sorted(name for files in groups_in.values() for name in files.values()
+    ep rank (a plain, not ZeRO-1, optimizer; ``legacy_names``: nxd-ckpt's legacy ZeRO-1 names, accepted), or an
+    EP checkpoint in a non-row-major rank layout."""
+    named = [] if legacy_names else sorted(name for files in groups_in.values() for name in files.values()
                    if (layout.parse_shard_filename(name) or layout.parse_full_filename(name)).ep is not None)
     if named:
         raise Zero1FormatError(_ep_error(
             input_dir, f"its optimizer files are named by ep rank (e.g. {named[0]}): that is a plain expert-parallel "
-            "optimizer (or an older nxd-ckpt layout), which does not depend on the DP size; convert-zero1 converts "
+            "optimizer, which does not depend on the DP size; convert-zero1 converts "
             "ZeRO-1 state only"))
     topo = dict(vars(manifest.topology)) if manifest is not None else {}
     ep = int(topo.get("ep") or 1)
@@ -325,6 +326,17 @@ def expert_parallel_size(input_dir: str, tagdir: Optional[str], manifest: Option
         raise Zero1FormatError(_ep_error(input_dir, f"it was saved at EP={ep} in the {topo['layout']} rank layout, "
                                                     "where DP ranks do not map to EP ranks row-major"))
     return ep
+
+
+def _from_legacy_ep_names(groups_in: Dict[tuple, Dict[int, str]], ep: int) -> Dict[tuple, Dict[int, str]]:
+    """``_scan_optim``'s groups of nxd-ckpt's legacy EP ZeRO-1 names (``manifest.legacy_ep_folders``:
+    ``dp_rank_{expert-DP rank}_ep_rank_{EP rank}``) keyed as NxD names them, by the full DP rank
+    ``edp * EP + ep``: the row-major grid, the only one that writer had."""
+    out: Dict[tuple, Dict[int, str]] = {}
+    for (e, tp, pp), files in groups_in.items():
+        for edp, name in files.items():
+            out.setdefault((None, tp, pp), {})[edp * ep + (e or 0)] = name
+    return out
 
 
 def _ep_split(input_dir: str, state, where: str, ep: int, g_in: int, g_out: int, to_full: bool) -> Optional[int]:
@@ -424,7 +436,10 @@ def convert_zero1(input_dir: str, output_dir: str, *, to_full: bool = False, dp_
     reader = CheckedReader(in_root, manifest, trusted)
     in_prefix = f"{in_folder}/" if in_folder else ""
     groups_in, full_in = _scan_optim(in_root, in_folder)
-    ep_size = expert_parallel_size(input_dir, src if tag_mode else None, manifest, groups_in)
+    legacy = layout.OPTIM_DIR in manifest_mod.legacy_ep_folders(manifest) and not full_in
+    if legacy:
+        groups_in = _from_legacy_ep_names(groups_in, manifest.topology.ep)
+    ep_size = expert_parallel_size(input_dir, src if tag_mode else None, manifest, groups_in, legacy)
     if to_full and full_in:
         raise CheckpointArgumentError(f"{input_dir} already holds full optimizer files; nothing to do with "
                                       "--convert_to_full (use --convert_to_sharded --dp_size N)")
