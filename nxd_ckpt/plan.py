@@ -14,6 +14,7 @@ import torch
 from parallel_state.topology import Topology
 
 from . import layout
+from .errors import CheckpointArgumentError
 
 
 def assign_to_bins(sizes: Sequence[int], bins: int) -> List[List[int]]:
@@ -43,18 +44,31 @@ def model_filename(topo: Topology, rank: int) -> str:
     return layout.shard_filename(0, c.tp, c.pp, ep)
 
 
-def optim_filename(topo: Topology, rank: int, zero1: bool) -> str:
+def optim_filename(topo: Topology, rank: int, zero1: bool, legacy_ep: bool = False) -> str:
     """A ZeRO-1 shard is named by the full DP rank, with no ep field even under expert parallelism (NxD);
-    a plain optimizer shard is named like the model's."""
+    a plain optimizer shard is named like the model's. ``legacy_ep``: the name nxd-ckpt gave a ZeRO-1 shard
+    under EP before it took NxD's layout (``layout.legacy_ep_folders``; read, never written): by expert-DP
+    and EP rank."""
     if not zero1:
         return model_filename(topo, rank)
+    if legacy_ep and topo.ep > 1:
+        e = topo.expert_coords(rank)
+        return layout.shard_filename(e.edp, e.tp, e.pp, e.ep)
+    if topo.ep > 1 and topo.cp > 1:
+        raise CheckpointArgumentError(
+            f"a ZeRO-1 optimizer at EP={topo.ep} with CP={topo.cp} cannot be checkpointed in NxD's layout: its files "
+            "are named by the DP rank alone, but the CP ranks that share a DP rank hold different expert shards "
+            "(NxD's expert view [PP, EDP, EP, TP] folds CP into EP and expert-DP, so those ranks have different "
+            "EP or expert-DP ranks) and their files would overwrite each other. Use a plain (non-ZeRO-1) "
+            "optimizer, or context_parallel_size=1 or expert_model_parallel_size=1")
     c = topo.coords(rank)
     return layout.shard_filename(c.dp, c.tp, c.pp)
 
 
-def home_filename(name_of):
-    """``name_of`` with the ep field set to 0: the shard whose folder holds the non-expert tensors."""
-    return lambda r: layout.tensor_home(name_of(r), expert=False)
+def home_filename(name_of, home=layout.tensor_home):
+    """``name_of`` mapped to the shard whose folder holds its non-expert tensors (``home``: layout.tensor_home,
+    which sets the ep field to 0, or layout.own_home for the legacy EP layout)."""
+    return lambda r: home(name_of(r), False)
 
 
 def replica_groups(topo: Topology, name_of) -> Dict[str, List[int]]:

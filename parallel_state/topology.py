@@ -11,8 +11,9 @@ Layouts (NxD's ``initialize_model_parallel`` picks one; ``layout=`` names it her
 ``row_major`` (NxD's "logic 1", the default everywhere)
     Ranks fill ``[PP, DP, CP, TP]`` row-major (TP fastest): ``rank = ((pp*DP + dp)*CP + cp)*TP + tp``.
     The expert view of the same ranks is ``[PP, EDP, EP, TP]``: ``rank = ((pp*EDP + edp)*EP + ep)*TP + tp``,
-    so TP and PP agree in both views. ``EDP = DP // EP``; with ``CP > 1`` (so ``EP = 1``) the expert view
-    folds CP into EDP (``EDP = DP * CP``).
+    so TP and PP agree in both views, and ``EDP = DP * CP // EP`` (NxD's rule): the expert view folds CP
+    into EDP and EP, so with ``CP > 1`` and ``EP > 1`` the ranks of a CP group belong to different EP (or
+    expert-DP) ranks.
 ``trn1_tp4`` (NxD on Trn1 with TP=4)
     With ``L = local_world_size // TP``, ranks fill ``[PP, DP//L, CP, TP, L]``, the last two axes are
     swapped and the result is viewed as ``[PP, DP, CP, TP]``: a TP group holds node-local ranks ``L`` apart
@@ -197,8 +198,8 @@ class Topology:
     """The model-parallel layout of ``world_size`` ranks.
 
     ``tp``, ``pp``, ``cp`` and ``ep`` are the tensor-, pipeline-, context- and expert-parallel sizes; the
-    data-parallel size ``dp`` is what is left, and ``edp = dp // ep`` is the expert-data-parallel size
-    (``dp * cp`` when ``cp > 1``, which requires ``ep == 1``). ``layout`` names how ranks are placed (module
+    data-parallel size ``dp`` is what is left, and ``edp = dp * cp // ep`` is the expert-data-parallel size
+    (as in NxD, where EP must divide ``dp * cp``). ``layout`` names how ranks are placed (module
     docstring); ``local_world_size`` (ranks per node, default ``world_size``) matters to ``trn1_tp4`` and
     ``trn2`` only. ``custom_groups`` and ``position_ranked`` describe a ``custom`` layout (use
     :meth:`from_groups`).
@@ -253,18 +254,14 @@ class Topology:
                 f"{_divisors(self.world_size)}"
             )
         dp = self.world_size // model
-        if self.ep > 1:
-            if self.cp != 1:
-                raise ValueError(
-                    f"expert parallelism (EP={self.ep}) cannot be combined with context parallelism "
-                    f"(CP={self.cp}); use context_parallel_size=1 or expert_model_parallel_size=1"
-                )
-            if dp % self.ep != 0:
-                raise ValueError(
-                    f"expert parallel size EP={self.ep} does not divide data parallel size DP={dp} "
-                    f"(world {self.world_size} / (TP={self.tp} x PP={self.pp} x CP={self.cp})); "
-                    f"valid EP sizes are {_divisors(dp)}"
-                )
+        if self.ep > 1 and (dp * self.cp) % self.ep != 0:
+            # NxD's check: EP must divide world / (TP x PP), i.e. DP x CP (the expert view folds CP into EDP)
+            what = f"data parallel size DP={dp}" if self.cp == 1 else \
+                f"data x context parallel size DP x CP = {dp} x {self.cp} = {dp * self.cp}"
+            raise ValueError(
+                f"expert parallel size EP={self.ep} does not divide {what} (world {self.world_size} / (TP={self.tp} x "
+                f"PP={self.pp})); valid EP sizes are {_divisors(dp * self.cp)}"
+            )
 
     def _coordinates(self, groups: Dict[str, Groups], ranked: FrozenSet[str]) -> Dict[str, List[int]]:
         sizes = self._sizes()
@@ -315,8 +312,7 @@ class Topology:
 
     @property
     def edp(self) -> int:
-        # The expert view reshapes the same ranks, so EDP * EP = DP * CP. CP > 1 only occurs with EP = 1, where
-        # the expert-DP group spans DP x CP (as in Megatron-core); otherwise EDP = DP // EP.
+        # The expert view reshapes the same ranks ([PP, EDP, EP, TP] over [PP, DP, CP, TP]), so EDP * EP = DP * CP.
         return self.dp * self.cp // self.ep
 
     def _sizes(self) -> Dict[str, int]:

@@ -64,3 +64,19 @@ def test_expert_parallel_shards_write_what_nxd_puts_in_their_folders():
     assert plain[layout.shard_filename(0, 1, 0, 1)] == [3, 7]
     homes = replica_groups(topo, home_filename(lambda r: optim_filename(topo, r, zero1=False)))
     assert homes[layout.shard_filename(0, 1, 0, 0)] == [1, 3, 5, 7]   # the DP group shares non-expert reads
+
+
+def test_zero1_names_under_expert_and_context_parallelism_are_refused():
+    """NxD names a ZeRO-1 file by the DP rank alone; with EP and CP > 1 the CP ranks of one DP rank hold different
+    expert shards, so the names would collide: refused with the reason. Plain optimizers are named per EP rank."""
+    import pytest
+
+    from nxd_ckpt.errors import CheckpointArgumentError
+    from nxd_ckpt.plan import model_filename, optim_filename
+    from parallel_state.topology import Topology
+
+    t = Topology(8, tp=2, cp=2, ep=2)
+    assert optim_filename(t, 2, zero1=False) == model_filename(t, 2) == "dp_rank_00_ep_rank_01_tp_rank_00_pp_rank_00.pt"
+    with pytest.raises(CheckpointArgumentError, match="EP=2 with CP=2 .* named by the DP rank alone"):
+        optim_filename(t, 0, zero1=True)
+    assert optim_filename(Topology(8, tp=2, cp=2), 2, zero1=True) == "dp_rank_00_tp_rank_00_pp_rank_00.pt"

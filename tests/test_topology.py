@@ -18,9 +18,7 @@ def all_topologies(max_world=16):
             if world % (tp * pp * cp):
                 continue
             dp = world // (tp * pp * cp)
-            for ep in [d for d in range(1, dp + 1) if dp % d == 0]:
-                if ep > 1 and cp > 1:
-                    continue
+            for ep in [d for d in range(1, dp * cp + 1) if dp * cp % d == 0]:   # NxD: EP divides DP x CP
                 yield Topology(world, tp=tp, pp=pp, cp=cp, ep=ep)
 
 
@@ -40,6 +38,8 @@ def test_enumeration_is_big_enough():
     assert len(TOPOLOGIES) > 200
     assert any(t.ep > 1 and t.pp > 1 and t.tp > 1 for t in TOPOLOGIES)
     assert any(t.cp > 1 and t.dp > 1 and t.pp > 1 for t in TOPOLOGIES)
+    assert any(t.cp > 1 and t.ep > 1 and t.dp * t.cp > t.ep for t in TOPOLOGIES)
+    assert any(t.cp > 1 and t.ep > t.dp for t in TOPOLOGIES)   # EP larger than DP: it spans CP ranks
 
 
 def test_coords_and_rank_of_are_inverse_bijections():
@@ -178,7 +178,8 @@ def test_example_128_ranks_pp2_dp2_cp4_tp8():
         (dict(world_size=16, tp=2, cp=3), ["CP=3", "does not divide world size 16"]),
         (dict(world_size=16, tp=2, ep=3), ["EP=3 does not divide data parallel size DP=8", "[1, 2, 4, 8]"]),
         (dict(world_size=16, tp=8, ep=4), ["EP=4", "DP=2", "[1, 2]"]),
-        (dict(world_size=16, tp=2, cp=2, ep=2), ["context parallel"]),
+        (dict(world_size=16, tp=2, cp=2, ep=3), ["EP=3 does not divide data x context parallel size DP x CP = 4 x 2 = 8",
+                                                  "[1, 2, 4, 8]"]),
         (dict(world_size=0), [">= 1"]),
         (dict(world_size=8, tp=0), ["tp must be >= 1"]),
         (dict(world_size=8, ep=-1), ["ep must be >= 1"]),
@@ -365,3 +366,38 @@ def test_named_layouts_are_consistent_grids(layout, lws):
                 c = t.coords(r)
                 assert t.rank_of(*c) == r
     assert checked >= 3
+
+
+# ---- expert parallelism together with context parallelism, as NxD 2.29 builds it ---------------------------
+def _nxd_grid_groups(world, tp, pp, cp, ep):
+    """NxD's row-major reshapes, written out independently: non-expert [PP, DP, CP, TP], expert [PP, EDP, EP, TP]."""
+    dp, edp = world // (tp * pp * cp), world // (tp * pp * ep)
+    nonexp = lambda p, d, c, t: ((p * dp + d) * cp + c) * tp + t  # noqa: E731
+    exp = lambda p, x, e, t: ((p * edp + x) * ep + e) * tp + t  # noqa: E731
+    prod = itertools.product
+    return {"cp": [[nonexp(p, d, c, t) for c in range(cp)] for p, d, t in prod(range(pp), range(dp), range(tp))],
+            "ep": [[exp(p, x, e, t) for e in range(ep)] for p, x, t in prod(range(pp), range(edp), range(tp))],
+            "edp": [[exp(p, x, e, t) for x in range(edp)] for p, e, t in prod(range(pp), range(ep), range(tp))]}
+
+
+def test_expert_and_context_parallel_groups_as_nxd():
+    """EP with CP > 1 (NxD allows it when EP divides DP x CP): the expert view folds CP into EP and expert-DP."""
+    t = Topology(8, tp=2, cp=2, ep=2)                       # DP=2, EDP = 8 / (2 x 2) = 2
+    assert (t.dp, t.edp) == (2, 2)
+    assert t.cp_groups() == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert t.ep_groups() == [[0, 2], [1, 3], [4, 6], [5, 7]]   # here the EP groups are the CP groups
+    assert t.edp_groups() == [[0, 4], [1, 5], [2, 6], [3, 7]]  # and expert-DP is DP
+    t = Topology(8, cp=4, ep=4)                              # EP larger than DP=2: EP spans CP ranks
+    assert (t.dp, t.edp) == (2, 2)
+    assert t.ep_groups() == [[0, 1, 2, 3], [4, 5, 6, 7]] == t.cp_groups()
+    assert t.edp_groups() == [[0, 4], [1, 5], [2, 6], [3, 7]] == t.dp_groups()
+    t = Topology(16, pp=2, cp=2, ep=4)                       # DP=4, EDP=2: EP spans two DP ranks' CP ranks
+    assert t.ep_groups()[:2] == [[0, 1, 2, 3], [4, 5, 6, 7]] and t.cp_groups()[:2] == [[0, 1], [2, 3]]
+    assert t.expert_coords(6) == ExpertCoords(pp=0, edp=1, ep=2, tp=0) and t.coords(6) == Coords(pp=0, dp=3, cp=0, tp=0)
+    checked = 0
+    for t in TOPOLOGIES:
+        if t.cp > 1 and t.ep > 1:
+            want = _nxd_grid_groups(t.world_size, t.tp, t.pp, t.cp, t.ep)
+            assert {k: t.groups(k) for k in want} == want, t
+            checked += 1
+    assert checked > 20
