@@ -373,3 +373,37 @@ def test_topology_mismatch_names_the_full_dp_size():
     msg = str(info.value)
     assert "saved at TP=1 PP=1 DP=4 EP=2 with ZeRO-1" in msg and "runs TP=1 PP=1 DP=2 EP=2 (DP differs)" in msg
     assert "--dp_size 2" in msg
+
+
+# ---- EP together with CP (NxD allows it): model and plain optimizer as above; ZeRO-1 refused ------------------
+def _ep_cp_rank(rank, world, root):
+    import nxd_ckpt
+    import parallel_state as ps
+
+    ps.initialize_model_parallel(context_parallel_size=2, expert_model_parallel_size=2)   # DP=2, EDP=2
+    ep, cp, dp = ps.get_expert_model_parallel_rank(), ps.get_context_parallel_rank(), ps.get_data_parallel_rank()
+    model = _nxd_model(ep)
+    model["up"].expert_model_parallel = True
+    nxd_ckpt.save_checkpoint(root, "plain", model=model, optimizer=_nxd_adam(0), use_xser=True)
+    got_model, got_optim = {}, {}
+    nxd_ckpt.load_checkpoint(root, "plain", model=got_model, optimizer=got_optim)
+    assert_bit_equal(_nxd_model(ep), got_model, "model")
+    assert_bit_equal(_nxd_adam(0), got_optim, "optim")
+    with pytest.raises(nxd_ckpt.CheckpointArgumentError, match="EP=2 with CP=2 .* named by the DP rank alone"):
+        nxd_ckpt.save_checkpoint(root, "zero1", model=model, optimizer=_nxd_zero1(dp), zero1_optimizer=True)
+    return ep, cp, dp
+
+
+def test_expert_with_context_parallel_round_trip(tmp_path):
+    root = str(tmp_path / "ckpt")
+    coords = run_ranks(_ep_cp_rank, 4, root, timeout=240)
+    assert coords == [(0, 0, 0), (1, 1, 0), (0, 0, 1), (1, 1, 1)]   # the expert view folds CP into EP here
+    tag = os.path.join(root, "plain")
+    files = all_files(tag) - {"manifest.json", "checkpoint", "done"}
+    want = set()
+    for ep in range(2):
+        name = layout.shard_filename(0, 0, 0, ep)
+        want |= _shard_files("model", name, range(MODEL_TENSORS) if ep == 0 else [0])
+        want |= _shard_files("optim", name, range(PLAIN_OPTIM_TENSORS) if ep == 0 else [])
+    assert files == want
+    assert sorted(os.listdir(root)) == ["newest", "plain"]   # the refused save wrote nothing (no staging dir)
