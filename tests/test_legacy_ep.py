@@ -240,3 +240,26 @@ def test_offline_tools_read_legacy_tags(tmp_path, capsys):
     assert all(tag in out for tag in TAGS)
     assert main(["info", os.path.join(root, "zero1")]) == 0
     assert "optim/dp_rank_01_ep_rank_01_tp_rank_00_pp_rank_00.pt" in capsys.readouterr().out
+
+
+def _converted_rank(rank, world, root):
+    import nxd_ckpt
+    import parallel_state as ps
+
+    ps.initialize_model_parallel(expert_model_parallel_size=EP)   # 2 ranks: DP=2, EP=2, expert-DP=1
+    ep = ps.get_expert_model_parallel_rank()
+    model, optim = {}, {}
+    nxd_ckpt.load_checkpoint(root, "dp2", model=model, optimizer=optim)
+    assert_bit_equal(legacy_model(ep), model, "model")   # model/ still in the old layout, optim/ in NxD's
+    return optim
+
+
+def test_legacy_tag_converted_to_dp2_loads(tmp_path):
+    from nxd_ckpt.zero1 import convert_zero1
+
+    root = str(tmp_path)
+    convert_zero1(build_legacy_ep_tag(root, "zero1", True), os.path.join(root, "dp2"), dp_size=2)
+    optims = run_ranks(_converted_rank, 2, root, timeout=240)
+    for dp, optim in enumerate(optims):
+        assert_bit_equal(xser.load(os.path.join(root, "dp2", "optim", layout.shard_filename(dp, 0, 0))), optim, f"{dp}")
+    assert [tuple(optims[0]["base_state"][i]["exp_avg"].shape) for i in range(3)] == [(4, HIDDEN), (4,), (HIDDEN, HIDDEN)]
