@@ -983,6 +983,35 @@ def print_table(r: dict) -> None:
         print(f"  [{'MET ' if t['met'] else 'MISS'}] {t['text']}: {t['value']:.3f} vs {t['bound']:.3f}")
 
 
+def markdown(r: dict) -> str:
+    """The README's tables for one run: methods, limits, and targets."""
+    lim, nb, cfg = r["limits"], r["bytes"], r["config"]
+    la = r["environment"].get("loadavg_1min_every_15s") or [float("nan")]
+    w = cfg["num_workers"]
+    f = lambda x, d=3: _num(x, 0, d).strip()  # noqa: E731
+    lines = [f"**{nb / GB:.2f} GB in {cfg['tensors']} tensors ({cfg.get('state', 'fp32')})**, {cfg['repeat']} round(s) "
+             f"after a warm-up (medians), 1-minute load average during the run {min(la):.0f} to {max(la):.0f} "
+             f"(median {statistics.median(la):.0f}) on {r['environment']['cpus']} CPUs, git {r['environment']['git']}",
+             "",
+             "| method | stall s | commit s | load s | CPU-s/GB (save) | of which in the stall | CPU-s/GB (load) | "
+             "stall page faults MB | host RSS peak MB |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for name, v in r["methods"].items():
+        lines.append(f"| `{name}` | {f(v.get('stall_s'))} | {f(v.get('commit_s'))} | {f(v.get('load_s'))} | "
+                     f"{f(v.get('cpu_s_per_gb'), 2)} | {f(v.get('stall_cpu_s_per_gb'), 2)} | "
+                     f"{f(v.get('load_cpu_s_per_gb'), 2)} | {f(v.get('stall_page_faults_mb'), 0)} | "
+                     f"{f(v.get('host_rss_peak_mb'), 0)} |")
+    lines += ["", f"Limits in the same run: batched device-to-host {lim['d2h_batched_s']:.3f} s "
+              f"({lim['d2h_batched_cpu_s_per_gb']:.2f} CPU-s/GB), host-to-device {lim['h2d_s']:.3f} s, {w}-thread "
+              f"write+fsync {lim['disk_write_parallel_gbps']:.2f} GB/s, {w}-thread read "
+              f"{lim['disk_read_parallel_gbps']:.2f} GB/s (one stream: write+fsync {lim['disk_write_gbps']:.2f} GB/s, "
+              f"read {lim['disk_read_gbps']:.2f} GB/s). Training step slowdown during an async save: "
+              f"{r['train_step_slowdown']:.2f}x.", "", "| target | value | bound | met |", "|---|---|---|---|"]
+    for t in r["targets"].values():
+        lines.append(f"| {t['text']} | {t['value']:.3f} | {t['bound']:.3f} | {'yes' if t['met'] else '**no**'} |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--size-gb", type=float, default=1.0)
@@ -1000,7 +1029,12 @@ def main(argv=None) -> int:
     p.add_argument("--skip-rss", action="store_true", help="skip the per-method RSS peak saves")
     p.add_argument("--methods", default="", help="comma-separated subset (development)")
     p.add_argument("--endpoint-url", default=None, help="S3 endpoint for --dir s3://... (else the AWS environment)")
+    p.add_argument("--markdown", metavar="JSON", help="print the README tables of an earlier run's JSON and exit")
     args = p.parse_args(argv)
+    if args.markdown:
+        with open(args.markdown) as f:
+            print(markdown(json.load(f)), end="")
+        return 0
     if args.repeat < 1:
         p.error("--repeat must be >= 1")
     if args.dir.startswith("s3://"):
