@@ -3,8 +3,8 @@
 Writing uses torch.distributed.checkpoint's own ``FileSystemWriter`` in a no-process-group save, with a
 planner that hands the writer each tensor only when it asks for it: the state dict passed to ``dcp.save``
 holds zero-stride placeholders (shape and dtype, no memory) and ``resolve_data`` loads the full tensor from
-the source, so about two tensors are in memory (the writer keeps its reference to the last one written while
-the next is read). The files are exactly what ``dcp.save`` writes: ``.metadata`` and one ``__0_N.distcp`` per
+the source, so a few tensors are in memory (two writer threads, each keeping its reference to the last one
+written while the next is read). The files are exactly what ``dcp.save`` writes: ``.metadata`` and one ``__0_N.distcp`` per
 entry (DCP's writer keeps every tensor of a file alive until the file is finished, so one file per entry is
 what bounds memory). Our ``manifest.json`` (size and CRC32C of every file) and ``done`` sit beside them, and
 the directory is built under ``<out>.nxdtmp`` and renamed into place.
