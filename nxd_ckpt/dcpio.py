@@ -284,13 +284,13 @@ class _DcpReader:
     """Reads single entries of a DCP checkpoint: tensors through dcp.load, non-tensors unpickled safely."""
 
     def __init__(self, path: str, trusted: bool):
-        from torch.distributed.checkpoint import FileSystemReader
+        from .dcpmeta import read_metadata_file
 
         if not os.path.isfile(os.path.join(path, ".metadata")):
             raise CheckpointArgumentError(f"DCP_DIR {path} has no .metadata file: it is not a torch.distributed."
                                           "checkpoint directory (pass the folder dcp.save wrote)")
         self.path, self.trusted = path, trusted
-        self.metadata = FileSystemReader(path).read_metadata()
+        self.metadata = read_metadata_file(os.path.join(path, ".metadata"), trusted)
         self.entries = self.metadata.state_dict_metadata
         # the original key path of each flattened key (DefaultSavePlanner records them); names may hold dots
         mapping = self.metadata.planner_data if isinstance(self.metadata.planner_data, dict) else {}

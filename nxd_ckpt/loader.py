@@ -327,10 +327,11 @@ def _read_parts(reader: FileReader, saved: dict, world: World, want_model: bool,
 def _read_dcp(reader: FileReader, world: World, model, optimizer) -> dict:
     """This rank's ZeRO-1 state from NxD's use_zero1_dcp optimizer (optim/.metadata + .distcp files), at this
     job's DP size. Every file read is verified against the manifest when there is one."""
-    from . import zero1_dcp
+    from . import dcpmeta, zero1_dcp
 
     where = f"{reader.tag}/{layout.OPTIM_DIR}/{zero1_dcp.METADATA_FILE}"
-    meta = zero1_dcp.read_metadata(reader.read(f"{layout.OPTIM_DIR}/{zero1_dcp.METADATA_FILE}"), where)
+    meta = dcpmeta.read_metadata(reader.read(f"{layout.OPTIM_DIR}/{zero1_dcp.METADATA_FILE}"), where,
+                                 reader.trusted)
     try:
         names = zero1_dcp.param_names(model, optimizer)
     except errors.CheckpointArgumentError as exc:

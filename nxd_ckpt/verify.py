@@ -21,7 +21,7 @@ import xser
 
 from . import commit, layout
 from .manifest import FileEntry, Manifest, parse as parse_manifest
-from .errors import CheckpointError, CorruptCheckpointError
+from .errors import CheckpointError, CorruptCheckpointError, UnsafeCheckpointError
 
 READ_BLOCK = 8 << 20
 
@@ -335,7 +335,7 @@ def _verify_nxd(tagdir: str, res: VerifyResult, workers: int, progress, trusted:
         xser_folder = layout.folder_is_xser(fpath)
         refs = shard_refs(fpath)
         if folder == layout.OPTIM_DIR and os.path.isfile(os.path.join(fpath, layout.DCP_METADATA_FILE)):
-            _check_dcp(fpath, res)
+            _check_dcp(fpath, res, trusted)
             continue
         if not refs:
             res.problems.append((folder, "holds no shard files (dp_rank_*_tp_rank_*_pp_rank_*.pt)"))
@@ -410,14 +410,17 @@ def _verify_nxd(tagdir: str, res: VerifyResult, workers: int, progress, trusted:
     res.notes.append("no manifest: checked completeness and that every file opens, not checksums")
 
 
-def _check_dcp(folder: str, res: VerifyResult) -> None:
+def _check_dcp(folder: str, res: VerifyResult, trusted: bool) -> None:
     """NxD's use_zero1_dcp optimizer: .metadata reads, and every data file it names holds the bytes it points at."""
-    from .zero1_dcp import read_metadata
+    from .dcpmeta import read_metadata
 
     rel = f"{layout.OPTIM_DIR}/{layout.DCP_METADATA_FILE}"
     try:
         with open(os.path.join(folder, layout.DCP_METADATA_FILE), "rb") as f:
-            meta = read_metadata(f.read(), rel)
+            meta = read_metadata(f.read(), rel, trusted)
+    except UnsafeCheckpointError as exc:
+        res.problems.append((rel, f"not checkable without --trusted: {exc}"))
+        return
     except CheckpointError as exc:
         res.problems.append((rel, str(exc)))
         return

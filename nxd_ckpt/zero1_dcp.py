@@ -184,38 +184,6 @@ def _dcp_version() -> Optional[str]:
 
 
 # --- reading ---------------------------------------------------------------------------------------------------
-_ALLOWED = {("builtins", "set"), ("builtins", "frozenset"), ("collections", "OrderedDict"),
-            ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath")}
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """Only torch.distributed.checkpoint's metadata classes, torch.Size/dtypes and builtins: no code runs."""
-
-    def find_class(self, module, name):
-        if module.startswith("torch.distributed.checkpoint.") or (module == "torch" and name == "Size"):
-            return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        if (module, name) in _ALLOWED:
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"{module}.{name} is not allowed in a DCP .metadata file")
-
-
-def read_metadata(data: bytes, where: str):
-    try:
-        return _MetadataUnpickler(io.BytesIO(data)).load()
-    except Exception as exc:  # noqa: BLE001
-        raise CorruptCheckpointError(f"{where} is not a readable torch.distributed.checkpoint metadata file: {exc}",
-                                     path=where) from exc
-
-
-@dataclass
-class _Want:
-    pid: int
-    key: str             # base_state entry: "exp_avg", "step", ...
-    fqn: str
-
-
 def load_state(meta, read_blob, names: Dict[int, str], c: Coords, where: str) -> dict:
     """This rank's ZeRO-1 state dict (``base_state`` shards at the current DP size, ``shape_info``,
     ``param_groups``) from the DCP ``meta``; ``read_blob(file, offset, length)`` returns verified bytes."""
