@@ -38,6 +38,10 @@ for _p in (os.path.dirname(_HERE), _HERE):
 
 import torch  # noqa: E402
 
+from nxd_ckpt.storage.testing import enable_test_schemes  # noqa: E402
+
+enable_test_schemes()   # objdir:// / mem:// in this process and in every rank process that imports this module
+
 STEPS = 1            # training steps between checkpoints
 SEED = 5
 FIRST, SECOND = f"step_{STEPS}", f"step_{2 * STEPS}"

@@ -16,6 +16,10 @@ from harness import run_ranks
 from test_integrity import DAMAGE, SHARD, _assert_state, _objects, _state
 from tiny_models import TinyShard, assert_bit_equal, to_cpu_state, train_steps, xla_device
 
+from nxd_ckpt.storage.testing import enable_test_schemes  # noqa: E402
+
+enable_test_schemes()   # objdir:// / mem:// in this process and in every rank process that imports this module
+
 
 def _mem_url() -> str:
     return f"mem://b{uuid.uuid4().hex[:8]}/run/ckpt"

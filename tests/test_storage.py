@@ -1,12 +1,20 @@
 """The storage interface, the same assertions on every backend: POSIX, in-memory objects, shared-directory
 objects."""
 import os
+import subprocess
+import sys
 
 import crc32c
 import pytest
+import torch
 
+import nxd_ckpt
+from nxd_ckpt import storage as storage_pkg
 from nxd_ckpt.storage import AlreadyExistsError, LocalStorage, ObjectStorage, open_storage
 from nxd_ckpt.storage.objects import memory_bucket
+from nxd_ckpt.storage.testing import enable_test_schemes
+
+enable_test_schemes()
 
 
 @pytest.fixture(params=["posix", "mem", "objdir"])
@@ -85,6 +93,38 @@ def test_unsupported_url_is_refused_clearly():
 
     with pytest.raises(CheckpointArgumentError, match="ftp:// URL"):
         open_storage("ftp://host/x")
+
+
+TEST_URLS = ["mem://b/run/ckpt", "objdir:///tmp/bucket//run"]
+
+
+@pytest.mark.parametrize("url", TEST_URLS)
+@pytest.mark.parametrize("call", [
+    lambda u: nxd_ckpt.save_checkpoint(u, "step_1", model={"w": torch.ones(2)}),
+    lambda u: nxd_ckpt.load_checkpoint(u, "step_1", model={}),
+    lambda u: nxd_ckpt.has_checkpoint(u),
+    lambda u: nxd_ckpt.list_checkpoints(u),
+    lambda u: nxd_ckpt.newest_checkpoint(u),
+    lambda u: open_storage(u),
+], ids=["save", "load", "has", "list", "newest", "open_storage"])
+def test_test_only_schemes_are_refused_unless_a_test_enables_them(monkeypatch, url, call):
+    """mem:// would "save" into process memory and lose it at exit: without the testing hook it is refused
+    like any other unknown scheme, before anything is written."""
+    monkeypatch.setattr(storage_pkg, "_ENABLED_TEST_SCHEMES", set())
+    scheme = url.split("://")[0]
+    with pytest.raises(nxd_ckpt.CheckpointArgumentError, match=f"{scheme}:// URL, which nxd-ckpt does not serve"):
+        call(url)
+
+
+def test_the_library_never_enables_test_schemes_itself():
+    """A fresh process that imports everything the user can reach still refuses mem:// and objdir://."""
+    code = ("import nxd_ckpt, nxd_ckpt.cli, nxd_ckpt.storage as s\n"
+            "for u in ('mem://b/x', 'objdir:///tmp/b//x'):\n"
+            "    try:\n        s.open_storage(u)\n    except nxd_ckpt.CheckpointArgumentError as e:\n"
+            "        print('refused', e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**os.environ, "PJRT_DEVICE": "CPU"}).stdout
+    assert out.count("does not serve") == 2, out
 
 
 def test_posix_staging_write_is_in_place_and_synced_in_batch(tmp_path):

@@ -1,5 +1,7 @@
 """Storage backends behind one byte-level interface (``base.Storage``): POSIX filesystems (local, FSx for
-Lustre, NFS) and object stores (S3; an in-memory one and a shared-directory one for tests)."""
+Lustre, NFS) and S3. Two more object stores exist for tests (an in-memory one, ``mem://``, and a
+shared-directory one, ``objdir://``); their URLs are refused unless a test enabled them through
+``nxd_ckpt.storage.testing.enable_test_schemes()``, so a user can never save into process memory by accident."""
 from __future__ import annotations
 
 import os
@@ -9,7 +11,10 @@ from .base import AlreadyExistsError, Capabilities, FileRecord, Stat, Storage, s
 from .local import LocalStorage
 from .objects import ObjectStorage
 
-OBJECT_SCHEMES = ("mem", "objdir")
+#: object-store schemes served only after ``testing.enable_test_schemes()`` (tests and development)
+TEST_SCHEMES = ("mem", "objdir")
+#: the subset of TEST_SCHEMES this process enabled; empty unless a test asked
+_ENABLED_TEST_SCHEMES: set = set()
 _S3_BUCKETS: dict = {}
 
 
@@ -29,7 +34,7 @@ def check_location(path, *, offline_tool: bool = False) -> str:
                 f"{text!r} is an s3:// URL; the nxd-ckpt commands read and write POSIX paths only (save_checkpoint "
                 "and load_checkpoint take s3:// URLs). Copy the tag to local disk first (aws s3 sync "
                 f"{text} ./local_copy) and pass that path.")
-        if scheme not in OBJECT_SCHEMES + ("s3",):
+        if scheme != "s3" and scheme not in _ENABLED_TEST_SCHEMES:
             raise CheckpointArgumentError(
                 f"{text!r} is a {scheme}:// URL, which nxd-ckpt does not serve: pass a POSIX path (local disk, FSx "
                 "for Lustre, NFS) or an s3://bucket/prefix URL.")
@@ -41,12 +46,13 @@ def open_storage(root: str, *, timeout_s: Optional[float] = None, workers: Optio
     """The Storage for a checkpoint directory path or URL: ``s3://bucket/prefix`` is S3 (boto3; credentials,
     region and endpoint from the AWS configuration chain, or ``s3_client`` / ``endpoint_url``; every
     request retried until ``timeout_s``); ``mem://bucket/prefix`` and ``objdir:///dir`` are object stores
-    for tests; any other ``scheme://`` is refused by ``check_location``; everything else is a POSIX path."""
+    for tests, served only once ``testing.enable_test_schemes()`` ran in this process; any other
+    ``scheme://`` is refused by ``check_location``; everything else is a POSIX path."""
     text = check_location(root)
     scheme = text.split("://", 1)[0] if "://" in text else ""
     if scheme == "s3":
         return _open_s3(text, timeout_s, workers, s3_client, endpoint_url)
-    if scheme in OBJECT_SCHEMES:
+    if scheme in _ENABLED_TEST_SCHEMES:
         from .objects import open_object_url
 
         return open_object_url(text)
