@@ -75,6 +75,13 @@ def check_reshardable(tag: str, saved: dict, world: World, has_model: bool, load
             f"checkpoint {tag!r} (EP={saved.get('ep', 1)}) cannot be resharded into this job (EP={topo.ep}, "
             f"CP={topo.cp}): load-time resharding handles TP, PP and DP with EP=1 and CP=1; relaunch with the saved "
             "sizes")
+    if loading_optim and saved.get("zero1_dcp"):
+        tp, pp = saved.get("tp", 1), saved.get("pp", 1)
+        raise TopologyMismatchError(
+            f"checkpoint {tag!r} was saved with use_zero1_dcp at TP={tp} PP={pp} and this job runs at TP={topo.tp} "
+            f"PP={topo.pp}: its optimizer (a torch.distributed.checkpoint) loads at any DP size but only at the "
+            f"saved TP and PP sizes; relaunch at TP={tp} PP={pp}, or load with optimizer=None (model resharding "
+            "still works)")
     if not has_model:
         raise TopologyMismatchError(
             f"checkpoint {tag!r} was saved at other parallel sizes; resharding needs the model (model=, an "
@@ -484,7 +491,7 @@ def read_resharded(reader: FileReader, manifest: Optional[Manifest], saved: dict
     src = Source(reader, manifest, saved_sizes(saved), max(1, num_workers), inflight_bytes,
                  bool(saved.get("from_masters")))
     out: Dict[str, object] = {}
-    zero1 = bool(saved.get("zero1"))
+    zero1 = bool(saved.get("zero1")) and not saved.get("zero1_dcp")   # a DCP optimizer is refused up front
     if (zero1 or src.from_masters) and not src.sizes.dp:
         raise StateMismatchError(f"checkpoint {reader.tag!r}: the number of ZeRO-1 optimizer shards is unknown")
     try:

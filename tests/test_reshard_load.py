@@ -346,3 +346,26 @@ def test_pipeline_stages_merge_on_load(tmp_path):
         _assert_bits(p.data, q.data, k)
         _assert_bits(opt.state[p]["exp_avg"], ref_opt.state[q]["exp_avg"], f"{k} exp_avg")
         _assert_bits(opt.state[p]["exp_avg_sq"], ref_opt.state[q]["exp_avg_sq"], f"{k} exp_avg_sq")
+
+
+def test_dcp_optimizer_at_another_tp_size_says_relaunch_or_load_the_model_only(tmp_path):
+    """An NxD use_zero1_dcp tag saved at TP=2 loaded at TP=1: the optimizer cannot be resharded (a clear
+    TopologyMismatchError before anything is read), the model still can."""
+    import torch.distributed.checkpoint as dcp
+
+    import nxd_ckpt
+    from nxd_ckpt.testing import ZeroOneAdam
+
+    shards, bias = _nxd_tp2_tag(str(tmp_path))
+    state = {"base_state": {"bias": {"step": torch.tensor(1.0), "exp_avg": torch.zeros(8)}},
+             "param_groups": [{"lr": 0.1, "params": [0, 1, 2]}]}
+    dcp.save(state, checkpoint_id=str(tmp_path / "nxd" / "optim"), no_dist=True)
+    model = _Full(attrs=True)
+    opt = ZeroOneAdam(model.parameters(), save_master_weights=False)
+    with pytest.raises(nxd_ckpt.TopologyMismatchError,
+                       match=r"saved with use_zero1_dcp at TP=2 PP=1 .*relaunch at TP=2 PP=1, or load with "
+                             r"optimizer=None \(model resharding still works\)"):
+        nxd_ckpt.load_checkpoint(str(tmp_path), "nxd", model=model, optimizer=opt)
+    nxd_ckpt.load_checkpoint(str(tmp_path), "nxd", model=model, optimizer=None)
+    _assert_bits(model.up.data, torch.cat([s["up"] for s in shards], 0), "up")
+    _assert_bits(model.bias.data, bias, "bias")
