@@ -353,7 +353,7 @@ def _read_dcp(reader: FileReader, world: World, model, optimizer) -> dict:
     coords = zero1_dcp.Coords(c.pp, c.tp, c.dp, topo.pp, topo.tp, topo.dp)
     state = zero1_dcp.load_state(meta, read_blob, names, coords, where)
     live = optimizer.state_dict().get("param_groups") if hasattr(optimizer, "state_dict") else None
-    state["param_groups"] = zero1_dcp.fit_param_groups(state["param_groups"], live)
+    state["param_groups"] = zero1_dcp.fit_param_groups(state["param_groups"], live, topo.pp, where)
     return state
 
 

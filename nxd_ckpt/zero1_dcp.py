@@ -224,14 +224,25 @@ def load_state(meta, read_blob, names: Dict[int, str], c: Coords, where: str) ->
             "base_state": dict(sorted(base.items())), "shape_info": dict(sorted(shape_info.items()))}
 
 
-def fit_param_groups(saved: List[dict], live: Optional[List[dict]]) -> List[dict]:
+def fit_param_groups(saved: List[dict], live: Optional[List[dict]], pp_size: int, where: str) -> List[dict]:
     """The saved param groups with this rank's ``params`` lists. ``param_groups.*`` entries are stored once for
-    every pipeline stage (their keys do not carry the stage, in NxD's layout either), so a stage other than the
-    one that wrote them gets its own parameter numbering from the live optimizer, with the saved
-    hyperparameters."""
+    every pipeline stage (their keys do not carry the stage, in NxD's layout either), so with PP > 1 a stage
+    gets its own parameter numbering from the live optimizer, with the saved hyperparameters. StateMismatchError
+    when the saved and live optimizers differ in group count or (PP = 1) in any group's parameter count."""
     if not live:
         return saved
-    return [dict(saved[i] if i < len(saved) else g, params=list(g["params"])) for i, g in enumerate(live)]
+    if len(saved) != len(live):
+        raise StateMismatchError(
+            f"{where} holds {len(saved)} optimizer param group(s) and this optimizer has {len(live)}; build the "
+            "optimizer with the same param groups as the run that saved it")
+    if pp_size == 1:
+        for i, (s, g) in enumerate(zip(saved, live)):
+            if len(s.get("params", ())) != len(g["params"]):
+                raise StateMismatchError(
+                    f"{where}: optimizer param group {i} holds {len(s.get('params', ()))} parameter(s) in the "
+                    f"checkpoint and {len(g['params'])} in this optimizer; build the optimizer with the same "
+                    "param groups as the run that saved it")
+    return [dict(s, params=list(g["params"])) for s, g in zip(saved, live)]
 
 
 def _index(meta, fqn: str, offsets):

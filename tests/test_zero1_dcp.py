@@ -219,3 +219,32 @@ def test_convert_zero1_says_a_dcp_optimizer_needs_no_conversion(tmp_path, capsys
                      "--convert_to_sharded", "--dp_size", "2"]) == 1
     assert "load_checkpoint reads it at any DP size directly" in capsys.readouterr().err
     assert not os.path.exists(tmp_path / "d2")
+
+
+def _grouped(model, sizes):
+    """A ZeRO-1 Adam whose param groups hold ``sizes`` parameters each, in order."""
+    from nxd_ckpt.testing import ZeroOneAdam
+
+    opt = ZeroOneAdam(model.parameters(), save_master_weights=False)
+    params, g0, out = list(model.parameters()), opt.param_groups[0], []
+    for n in sizes:
+        out.append(dict(g0, params=params[:n]))
+        params = params[n:]
+    opt.param_groups = out
+    return opt
+
+
+@pytest.mark.parametrize("saved,live,what", [
+    ([3], [2, 1], "holds 1 optimizer param group\\(s\\) and this optimizer has 2"),
+    ([2, 1], [1, 2], "param group 0 holds 2 parameter\\(s\\) in the checkpoint and 1 in this optimizer")])
+def test_param_groups_that_differ_are_refused(tmp_path, saved, live, what):
+    model = TinyShard(device="cpu")
+    nxd_ckpt.save_checkpoint(str(tmp_path), "g", model=model, optimizer=_grouped(model, saved), async_save=True,
+                             use_zero1_dcp=True)
+    nxd_ckpt.finalize_checkpoint()
+    opt = _grouped(model, live)
+    before = [dict(g) for g in opt.param_groups]
+    with pytest.raises(nxd_ckpt.StateMismatchError, match=what):
+        nxd_ckpt.load_checkpoint(str(tmp_path), "g", model=model, optimizer=opt)
+    assert opt.param_groups == before
+    nxd_ckpt.load_checkpoint(str(tmp_path), "g", model=model, optimizer=_grouped(model, saved))
