@@ -237,7 +237,9 @@ def write_dcp(state: FullState, dst: str, layout_kind: str = "plain", *, progres
         # One file per tensor: DCP's writer keeps every tensor of a file alive until the file is done (it
         # gathers them for its safetensors format), so one file for all would hold the whole state. Two writer
         # threads: one reads and joins the next tensor while the other writes (measured 1.7x faster here).
-        writer = dcp.FileSystemWriter(stage, single_file_per_rank=False, sync_files=True, thread_count=2)
+        # Files are made durable together at the end (below), not one by one: the kernel writes them back while
+        # the next tensors are read.
+        writer = dcp.FileSystemWriter(stage, single_file_per_rank=False, sync_files=False, thread_count=2)
         failed: List[BaseException] = []
         try:
             with _quiet_dcp(crc32=False):
@@ -249,6 +251,7 @@ def write_dcp(state: FullState, dst: str, layout_kind: str = "plain", *, progres
         if failed:
             raise failed[0]
         files = sorted(os.listdir(stage))
+        _fsync_files(stage, files)
         _seal(stage, os.path.basename(dst), files, layout_kind, state, source)
         publish_output(stage, dst)
     except BaseException:
@@ -259,6 +262,12 @@ def write_dcp(state: FullState, dst: str, layout_kind: str = "plain", *, progres
             bar.close()
     total = sum(os.path.getsize(os.path.join(dst, f)) for f in files)
     return DcpResult(dst, layout_kind, len(state.model), state.optim is not None, total, files)
+
+
+def _fsync_files(root: str, names: List[str]) -> None:
+    from .zero1 import _fsync_files as fsync_all
+
+    fsync_all(root, names)
 
 
 def _seal(stage: str, name: str, files: List[str], layout_kind: str, state: FullState, source: str) -> None:
