@@ -338,9 +338,14 @@ def _read_dcp(reader: FileReader, world: World, model, optimizer) -> dict:
         raise StateMismatchError(f"checkpoint {reader.tag!r} holds its optimizer as NxD's use_zero1_dcp "
                                  f"torch.distributed.checkpoint: {exc}") from None
     files: Dict[str, bytes] = {}
+    ranges = zero1_dcp.ranges_of(reader.manifest.extra) if reader.manifest is not None else {}
 
     def read_blob(name: str, offset: int, length: int) -> bytes:
-        if name not in files:
+        rel = f"{layout.OPTIM_DIR}/{name}"
+        recorded = ranges.get((rel, offset))
+        if recorded is not None and recorded[0] == length:    # just this entry, verified by its own CRC32C
+            return reader.read_range(rel, offset, length, recorded[1])
+        if name not in files:   # no ranges recorded (NxD's or an older tag): the whole file, verified
             files[name] = reader.read(f"{layout.OPTIM_DIR}/{name}")
         data = files[name]
         if offset + length > len(data):

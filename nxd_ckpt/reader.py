@@ -56,6 +56,24 @@ class FileReader:
             self._verify(relpath, full, data)
         return data
 
+    def read_range(self, relpath: str, offset: int, length: int, crc: str) -> bytes:
+        """``length`` bytes at ``offset`` of a file the manifest lists, checked against ``crc`` (a CRC32C the
+        manifest records for that range)."""
+        full = f"{self.tag}/{relpath}"
+        if self.manifest is None or relpath not in self.manifest.files:
+            raise CorruptCheckpointError(f"{full} is not listed in the manifest of {self.tag!r}; {_NEXT}", path=full)
+        try:
+            data = self.storage.read(full, offset, length)
+        except FileNotFoundError:
+            raise CorruptCheckpointError(
+                f"checkpoint {self.tag!r} is marked complete but {full} is missing; {_NEXT}", path=full) from None
+        found = f"{_crc32c.crc32c(data):08x}"
+        if len(data) != length or found != crc:
+            raise CorruptCheckpointError(
+                f"{full} bytes {offset}-{offset + length} are damaged (expected {length} bytes with CRC32C {crc}, "
+                f"found {len(data)} bytes with {found}); {_NEXT}", path=full, expected=crc, found=found)
+        return data
+
     def _verify(self, relpath: str, full: str, data: bytes) -> None:
         entry = self.manifest.files.get(relpath)
         if entry is None:

@@ -346,6 +346,10 @@ def _commit_as_root(job: SaveJob, own_report: dict) -> dict:
             rec = _write_dcp_metadata(job.storage, commit.strategy_for(job.storage).workdir(job.tag), dcp)
             files[rec.relpath] = dict(rec.to_json(), rank=0)
         man = manifest.build(job.tag, job.manifest_info["topology"], job.manifest_info["flags"], files, tensors)
+        if dcp:
+            from .zero1_dcp import RANGES_KEY, entry_ranges
+
+            man.extra[RANGES_KEY] = entry_ranges(dcp)
         commit.publish(job.storage, job.tag, man)
         job.stats["committed"] = True
     except Exception as exc:  # noqa: BLE001

@@ -24,6 +24,7 @@ import pickle
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+import crc32c as _crc32c
 import torch
 
 from . import layout, masters
@@ -31,6 +32,7 @@ from .errors import CheckpointArgumentError, CorruptCheckpointError, StateMismat
 
 METADATA_FILE = layout.DCP_METADATA_FILE
 FORMAT_FLAG = "zero1_dcp"      # manifest flag
+RANGES_KEY = "zero1_dcp_entries"   # manifest field: every data file entry's byte range and CRC32C
 
 
 def data_filename(rank: int) -> str:
@@ -129,7 +131,8 @@ def write_data(f, items: Sequence[Item], tensors: Sequence[torch.Tensor], filena
         blob = _blob(data) if data is not None else it.value
         f.write(blob)
         rec = {"fqn": it.fqn, "path": list(it.path), "bytes": data is None, "offsets": list(it.offsets),
-               "size": list(it.size), "file": filename, "offset": pos, "length": len(blob)}
+               "size": list(it.size), "file": filename, "offset": pos, "length": len(blob),
+               "crc32c": f"{_crc32c.crc32c(blob):08x}"}
         if data is not None:
             rec["chunk"] = list(data.shape)
             rec["dtype"] = str(data.dtype).replace("torch.", "")
@@ -173,6 +176,24 @@ def metadata_bytes(records_by_rank: Sequence[Tuple[int, List[dict]]]) -> bytes:
     meta = Metadata(sd_meta, planner_data=planner, storage_data=storage, storage_meta=StorageMeta(),
                     version=_dcp_version())
     return pickle.dumps(meta)
+
+
+def entry_ranges(records_by_rank: Sequence[Tuple[int, List[dict]]]) -> Dict[str, List[list]]:
+    """Rank 0: for our manifest (under RANGES_KEY), each data file's entries as ``[offset, length, crc32c]``,
+    so a load reads and verifies just the entries it needs rather than whole files."""
+    out: Dict[str, List[list]] = {}
+    for _, recs in sorted(records_by_rank, key=lambda x: x[0]):
+        for r in recs:
+            out.setdefault(f"{layout.OPTIM_DIR}/{r['file']}", []).append([r["offset"], r["length"], r["crc32c"]])
+    return out
+
+
+def ranges_of(extra: dict) -> Dict[Tuple[str, int], Tuple[int, str]]:
+    """(relpath, offset) -> (length, crc32c) from a manifest's extra fields ({} when it records none)."""
+    recorded = extra.get(RANGES_KEY)
+    if not isinstance(recorded, dict):
+        return {}
+    return {(rel, int(o)): (int(n), str(c)) for rel, entries in recorded.items() for o, n, c in entries}
 
 
 def _dcp_version() -> Optional[str]:

@@ -41,12 +41,26 @@ def _save_rank(rank, world, root, tp):
 
 
 def _load_rank(rank, world, root):
+    """The loaded optimizer state, and every (file, offset, length) read from the DCP data files."""
     import parallel_state as ps
+
+    from nxd_ckpt.storage.local import LocalStorage
 
     ps.initialize_model_parallel(tensor_model_parallel_size=1)
     model, opt = _build(ps, 0, 3)
-    nxd_ckpt.load_checkpoint(root, "s", model=model, optimizer=opt)
-    return to_cpu_state(opt.state_dict())
+    reads, real = [], LocalStorage.read
+
+    def read(self, relpath, offset=0, length=None):
+        if relpath.endswith(".distcp"):
+            reads.append((os.path.basename(relpath), offset, length))
+        return real(self, relpath, offset, length)
+
+    LocalStorage.read = read
+    try:
+        nxd_ckpt.load_checkpoint(root, "s", model=model, optimizer=opt)
+    finally:
+        LocalStorage.read = real
+    return to_cpu_state(opt.state_dict()), reads
 
 
 def _full(states, key, i):
@@ -82,8 +96,21 @@ def test_tp2_dp2_names_files_and_torch_dcp_reads_it(tmp_path):
 def test_saved_at_dp2_loads_at_dp1_and_dp4(tmp_path):
     root = str(tmp_path / "ck")
     states = run_ranks(_save_rank, 2, root, 1, timeout=240)
+    from torch.distributed.checkpoint import FileSystemReader
+
+    meta = FileSystemReader(os.path.join(root, "s", "optim")).read_metadata()
+    entries = {(i.relative_path, i.offset, i.length): k for k, i in meta.storage_data.items()}
+    small = {e for e, k in entries.items() if not k.offset}    # 0-d tensors and bytes (param_groups, shape_info)
     for dp in (1, 4):
-        loaded = run_ranks(_load_rank, dp, root, timeout=240)
+        results = run_ranks(_load_rank, dp, root, timeout=240)
+        loaded = [state for state, _ in results]
+        for r, (_, reads) in enumerate(results):
+            # entry by entry, never whole files: at DP=4 rank 3's rows are all padding, rank 0's all in file 0
+            assert set(reads) <= set(entries) and len(reads) == len(set(reads)), reads
+            if dp == 4 and r == 3:
+                assert set(reads) == small
+            if dp == 4 and r == 0:
+                assert all(f == "__0_0.distcp" for f, _, _ in reads)
         for r in range(dp):
             for i in range(3):
                 for key in ("exp_avg", "exp_avg_sq"):
@@ -248,3 +275,22 @@ def test_param_groups_that_differ_are_refused(tmp_path, saved, live, what):
         nxd_ckpt.load_checkpoint(str(tmp_path), "g", model=model, optimizer=opt)
     assert opt.param_groups == before
     nxd_ckpt.load_checkpoint(str(tmp_path), "g", model=model, optimizer=_grouped(model, saved))
+
+
+def test_a_damaged_entry_is_named_by_its_byte_range(tmp_path):
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    from nxd_ckpt.dcpmeta import read_metadata_file
+
+    model = TinyShard(device="cpu")
+    nxd_ckpt.save_checkpoint(str(tmp_path), "r", model=model, optimizer=_grouped(model, [3]), async_save=True,
+                             use_zero1_dcp=True)
+    nxd_ckpt.finalize_checkpoint()
+    meta = read_metadata_file(str(tmp_path / "r" / "optim" / ".metadata"))
+    info = meta.storage_data[MetadataIndex("base_state.up.exp_avg", torch.Size([0, 0]))]
+    data = bytearray((tmp_path / "r" / "optim" / info.relative_path).read_bytes())
+    data[info.offset + info.length - 5] ^= 0xFF
+    (tmp_path / "r" / "optim" / info.relative_path).write_bytes(bytes(data))
+    with pytest.raises(nxd_ckpt.CorruptCheckpointError,
+                       match=f"bytes {info.offset}-{info.offset + info.length} are damaged"):
+        nxd_ckpt.load_checkpoint(str(tmp_path), "r", model=model, optimizer=_grouped(model, [3]))
