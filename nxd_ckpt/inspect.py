@@ -15,7 +15,7 @@ import torch
 import xser
 
 from . import commit, layout, masters
-from .errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
+from .errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, UnsafeCheckpointError
 from .manifest import NO_MANIFEST as _NO_MANIFEST, Manifest, TagDescription, describe_tag
 from .storage import LocalStorage
 from .verify import CheckedReader, load_manifest_file, shard_refs, walk_refs
@@ -273,11 +273,36 @@ def describe(tagdir: str, tensors: bool = False, trusted: bool = False) -> dict:
                     slot["bytes"] += _nbytes(d, m["shape"])
                 if tensors:
                     all_tensors.append(dict(m, shard=rel))
+    out["dcp_optimizer"] = _dcp_optimizer(tagdir, trusted, out["errors"])
     out["scheduler"] = _small_file(tagdir, layout.SCHEDULER_FILE, trusted, reader)
     out["user_content"] = _small_file(tagdir, layout.USER_CONTENT_FILE, trusted, reader)
     if tensors:
         out["tensors"] = all_tensors
     return out
+
+
+def _dcp_optimizer(tagdir: str, trusted: bool, errors: List[dict]) -> Optional[dict]:
+    """A use_zero1_dcp optimizer (optim/.metadata + .distcp files): its entries, data files and size, read from
+    .metadata safely; None when the tag has none (a read problem is added to ``errors``)."""
+    from .dcpmeta import read_metadata_file
+
+    folder = os.path.join(tagdir, layout.OPTIM_DIR)
+    rel = f"{layout.OPTIM_DIR}/{layout.DCP_METADATA_FILE}"
+    if not os.path.isfile(os.path.join(folder, layout.DCP_METADATA_FILE)):
+        return None
+    try:
+        meta = read_metadata_file(os.path.join(folder, layout.DCP_METADATA_FILE), trusted)
+    except CheckpointError as exc:
+        msg = str(exc)
+        if isinstance(exc, UnsafeCheckpointError):
+            msg = f"not inspectable without --trusted: {msg}"
+        errors.append({"file": rel, "error": msg})
+        return {"file": rel, "entries": None, "tensor_entries": None, "data_files": None, "bytes": None}
+    files = sorted({i.relative_path for i in (meta.storage_data or {}).values()})
+    sizes = [os.path.getsize(os.path.join(folder, f)) for f in files if os.path.isfile(os.path.join(folder, f))]
+    tensors = sum(1 for m in meta.state_dict_metadata.values() if hasattr(m, "chunks"))
+    return {"file": rel, "entries": len(meta.state_dict_metadata), "tensor_entries": tensors,
+            "data_files": len(files), "bytes": sum(sizes)}
 
 
 def format_bytes(n: Optional[int]) -> str:
@@ -309,6 +334,14 @@ def format_list(rows: List[dict]) -> str:
     return "\n".join(lines)
 
 
+def _format_dcp(o: dict) -> str:
+    head = "optimizer:  use_zero1_dcp (a torch.distributed.checkpoint in optim/; loads at any DP size)"
+    if o["entries"] is None:
+        return f"{head}, {o['file']} unreadable"
+    return (f"{head}: {o['entries']} entries ({o['tensor_entries']} tensors) in {o['data_files']} data files, "
+            f"{format_bytes(o['bytes'])}")
+
+
 def _s(v) -> str:
     return "?" if v is None else str(v)
 
@@ -335,6 +368,7 @@ def format_describe(d: dict) -> str:
         f"zero1:      {_yn(d['zero1'])}    xser: {_yn(d['xser'])}",
         *(["model:      weights kept only as ZeRO-1 master weights in optim/ "
            "(avoid_saving_lower_precision_weights)"] if d.get("model_from_master_weights") else []),
+        *([_format_dcp(d["dcp_optimizer"])] if d.get("dcp_optimizer") else []),
         f"size:       {format_bytes(d['total_bytes'])} in {d['total_files']} files",
         f"tensors:    {d['tensor_count']}  " + ", ".join(
             f"{k}: {v['count']} ({format_bytes(v['bytes'])})" for k, v in sorted(d["dtypes"].items())),

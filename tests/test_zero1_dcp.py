@@ -294,3 +294,23 @@ def test_a_damaged_entry_is_named_by_its_byte_range(tmp_path):
     with pytest.raises(nxd_ckpt.CorruptCheckpointError,
                        match=f"bytes {info.offset}-{info.offset + info.length} are damaged"):
         nxd_ckpt.load_checkpoint(str(tmp_path), "r", model=model, optimizer=_grouped(model, [3]))
+
+
+def test_info_lists_a_dcp_optimizer(tmp_path, capsys):
+    from nxd_ckpt.cli import main as cli_main
+
+    model = TinyShard(device="cpu")
+    nxd_ckpt.save_checkpoint(str(tmp_path), "i", model=model, optimizer=_grouped(model, [3]), async_save=True,
+                             use_zero1_dcp=True)
+    nxd_ckpt.finalize_checkpoint()
+    size = os.path.getsize(tmp_path / "i" / "optim" / "__0_0.distcp")
+    assert cli_main(["info", str(tmp_path / "i"), "--json"]) == 0
+    import json
+
+    d = json.loads(capsys.readouterr().out)
+    # 3 parameters x (step, exp_avg, exp_avg_sq) tensors; param_groups.0.{lr, betas, eps, params}, shape_info.0-2
+    assert d["dcp_optimizer"] == {"file": "optim/.metadata", "entries": 16, "tensor_entries": 9, "data_files": 1,
+                                  "bytes": size}
+    assert cli_main(["info", str(tmp_path / "i")]) == 0
+    assert ("optimizer:  use_zero1_dcp (a torch.distributed.checkpoint in optim/; loads at any DP size): 16 "
+            "entries (9 tensors) in 1 data files") in capsys.readouterr().out
