@@ -181,7 +181,7 @@ def _master_keys(model, optimizer, sd: dict, osd, zero1: bool, use_xser: bool, e
             "nxd-ckpt yet; pass avoid_saving_lower_precision_weights=False")
     shape_info = osd.get("shape_info", {})
     keys_shapes = [(k, tuple(v.shape)) for k, v in sd.items() if isinstance(v, torch.Tensor)]
-    found = masters.param_keys(model, optimizer, keys_shapes, shape_info) or {}
+    found = masters.param_keys(model, optimizer, keys_shapes, shape_info, masters.group_sizes(osd)) or {}
     found = {k: i for k, i in found.items() if i in osd[masters.MASTERS] and k in sd}
     if not found:
         log.warning("nxd_ckpt: avoid_saving_lower_precision_weights: cannot tell which model key each ZeRO-1 "

@@ -229,6 +229,7 @@ class _Masters:
                                   "weights")
         self.refs = [r[masters.MASTERS] for r in refs]
         self.shape_info = refs[0]["shape_info"]
+        self.group_sizes = masters.group_sizes(refs[0])
         self.index = self._index(shard)
 
     def _index(self, shard: "_Shard") -> Dict[int, int]:
@@ -236,7 +237,7 @@ class _Masters:
         if found or shard.meta:
             return found
         keys_shapes = [(k, tuple(shard.info[r.tid]["shape"])) for k, r in shard.flat.items() if xser.is_ref(r)]
-        by_key = masters.keys_by_order(keys_shapes, self.shape_info)
+        by_key = masters.keys_by_order(keys_shapes, self.shape_info, self.group_sizes)
         if by_key is None:
             raise ExportError(f"{self.reader.path(shard.rel)}: the model's weights are kept as ZeRO-1 master weights "
                               "and which key each belongs to is not recorded (a neuronx-distributed checkpoint whose "

@@ -244,17 +244,20 @@ def _merge_groups(groups: List[Tuple[dict, List[str]]]) -> List[Tuple[dict, List
 NXD_NO_DECAY = ("bias", "norm")   # NxD's Llama example: get_param_groups_by_weight_decay's no-decay names
 
 
-def param_orders(keys: List[str], sizes: List[int], count: int, recorded: Optional[List[str]] = None) -> List[List[str]]:
+def param_orders(keys: List[str], sizes: Optional[List[int]], count: int,
+                 recorded: Optional[List[str]] = None) -> List[List[str]]:
     """The candidate model keys of optimizer indices 0..count-1 (optimizers number parameters group by group):
     ``recorded`` names; with one group, ``keys`` (the model's parameter order); with two groups sized like NxD's
-    weight-decay split, the names without 'bias'/'norm' then those with. The caller checks shapes to choose."""
+    weight-decay split, the names without 'bias'/'norm' then those with. ``sizes`` None (group sizes unknown):
+    both of the latter. The caller checks shapes to choose."""
     decay = [k for k in keys if not any(nd in k for nd in NXD_NO_DECAY)]
+    split = [len(decay), len(keys) - len(decay)]
     candidates = []
     if recorded is not None and len(recorded) == count and set(recorded) <= set(keys):
         candidates.append(list(recorded))
-    if len(sizes) == 1 and count == len(keys):
+    if (sizes is None or len(sizes) == 1) and count == len(keys):
         candidates.append(list(keys))
-    if len(sizes) == 2 and sizes == [len(decay), len(keys) - len(decay)]:
+    if sizes == split if sizes is not None else (count == len(keys) and 0 < split[0] < count):
         candidates.append(decay + [k for k in keys if k not in decay])
     return candidates
 

@@ -44,20 +44,34 @@ def keys_by_identity(model, optimizer) -> Optional[Dict[str, int]]:
     return {name_of[id(p)]: i for i, p in enumerate(params)}
 
 
-def keys_by_order(keys_shapes: Sequence[Tuple[str, tuple]], shape_info: Dict[int, tuple]) -> Optional[Dict[str, int]]:
-    """model key -> ZeRO-1 index when the model's tensors are the optimizer's parameters in order (same count,
-    same shapes); None otherwise (the mapping would be a guess)."""
-    order = sorted(shape_info)
-    if len(order) != len(keys_shapes):
-        return None
-    if any(tuple(shape_info[i]) != tuple(s) for i, (_, s) in zip(order, keys_shapes)):
-        return None
-    return {k: i for i, (k, _) in zip(order, keys_shapes)}
+def keys_by_order(keys_shapes: Sequence[Tuple[str, tuple]], shape_info: Dict[int, tuple],
+                  group_sizes: Optional[List[int]] = None) -> Optional[Dict[str, int]]:
+    """model key -> ZeRO-1 index when exactly one of the orders an optimizer numbers the model's tensors in
+    (``fullstate.param_orders``: one param group, or NxD's weight-decay split; both when ``group_sizes`` is
+    None) agrees with ``shape_info`` tensor by tensor; None otherwise (the mapping would be a guess)."""
+    from .fullstate import param_orders
+
+    ids = sorted(shape_info)
+    shapes = dict(keys_shapes)
+    fits = []
+    for order in param_orders([k for k, _ in keys_shapes], group_sizes, len(ids)):
+        if order not in fits and all(tuple(shape_info[i]) == tuple(shapes[k]) for i, k in zip(ids, order)):
+            fits.append(order)
+    return {k: i for i, k in zip(ids, fits[0])} if len(fits) == 1 else None
 
 
-def param_keys(model, optimizer, keys_shapes, shape_info) -> Optional[Dict[str, int]]:
+def group_sizes(osd) -> Optional[List[int]]:
+    """The parameter count of each param group of an optimizer state dict; None when it does not say."""
+    groups = osd.get("param_groups") if isinstance(osd, dict) else None
+    if not isinstance(groups, list) or not all(isinstance(g, dict) and "params" in g for g in groups):
+        return None
+    return [len(g["params"]) for g in groups]
+
+
+def param_keys(model, optimizer, keys_shapes, shape_info,
+               group_sizes: Optional[List[int]] = None) -> Optional[Dict[str, int]]:
     """model key -> ZeRO-1 index: by identity of the live objects, else by order; None when neither holds."""
-    return keys_by_identity(model, optimizer) or keys_by_order(keys_shapes, shape_info)
+    return keys_by_identity(model, optimizer) or keys_by_order(keys_shapes, shape_info, group_sizes)
 
 
 def join_shards(parts: Sequence[torch.Tensor], shape) -> torch.Tensor:

@@ -177,3 +177,21 @@ def test_convert_zero1_keeps_the_model_in_the_master_weights(tmp_path):
     nxd_ckpt.load_checkpoint(str(tmp_path), "s2", model=fresh)     # the model from the DP=2 master weights
     assert_bit_equal(to_cpu_state(model.state_dict()), to_cpu_state(fresh.state_dict()), "model")
     assert cli_main(["verify", str(tmp_path / "s2")]) == 0
+
+
+def test_keys_by_order_knows_nxds_weight_decay_split_and_refuses_to_guess():
+    from nxd_ckpt import masters
+
+    keys_shapes = [("a.weight", (4, 2)), ("a.bias", (4,)), ("b.weight", (3, 2)), ("b.bias", (3,))]
+    split = {0: (4, 2), 1: (3, 2), 2: (4,), 3: (3,)}   # NxD's groups: weights, then biases/norms
+    want = {"a.weight": 0, "b.weight": 1, "a.bias": 2, "b.bias": 3}
+    assert masters.keys_by_order(keys_shapes, split, [2, 2]) == want
+    assert masters.keys_by_order(keys_shapes, split) == want          # group sizes unknown: the one order that fits
+    assert masters.keys_by_order(keys_shapes, split, [4]) is None      # one group: the model order does not fit
+    model_order = {i: s for i, (_, s) in enumerate(keys_shapes)}
+    assert masters.keys_by_order(keys_shapes, model_order) == {k: i for i, (k, _) in enumerate(keys_shapes)}
+    same = [("w1", (2, 2)), ("norm1", (2, 2)), ("w2", (2, 2))]
+    both_fit = {i: (2, 2) for i in range(3)}
+    assert masters.keys_by_order(same, both_fit) is None               # two different orders fit: a guess
+    assert masters.keys_by_order(same, both_fit, [3]) == {"w1": 0, "norm1": 1, "w2": 2}
+    assert masters.keys_by_order(same, both_fit, [2, 1]) == {"w1": 0, "w2": 1, "norm1": 2}
