@@ -289,6 +289,20 @@ def _seal(stage: str, name: str, files: List[str], layout_kind: str, state: Full
 
 
 # --- reading -------------------------------------------------------------------------------------------
+def _fs_reader_with(path: str, metadata):
+    """torch's FileSystemReader, but with the .metadata already read by dcpmeta: its own read_metadata is a plain
+    pickle.load of the file."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    class Reader(FileSystemReader):
+        def read_metadata(self, *args, **kwargs):
+            if metadata.storage_meta is not None:
+                metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return Reader(path)
+
+
 class _DcpReader:
     """Reads single entries of a DCP checkpoint: tensors through dcp.load, non-tensors unpickled safely."""
 
@@ -338,7 +352,7 @@ class _DcpReader:
             return whole
         out = {key: torch.empty(tuple(md.size), dtype=md.properties.dtype)}
         with _quiet_dcp():
-            dcp.load(out, checkpoint_id=self.path, no_dist=True)
+            dcp.load(out, storage_reader=_fs_reader_with(self.path, self.metadata), no_dist=True)
         return out[key]
 
     def _whole_chunk(self, key: str, md) -> Optional[torch.Tensor]:
