@@ -366,6 +366,8 @@ def test_dcp_optimizer_at_another_tp_size_says_relaunch_or_load_the_model_only(t
                        match=r"saved with use_zero1_dcp at TP=2 PP=1 .*relaunch at TP=2 PP=1, or load with "
                              r"optimizer=None \(model resharding still works\)"):
         nxd_ckpt.load_checkpoint(str(tmp_path), "nxd", model=model, optimizer=opt)
+    with pytest.raises(nxd_ckpt.TopologyMismatchError, match="its use_zero1_dcp optimizer loads only at the saved"):
+        nxd_ckpt.load_checkpoint(str(tmp_path), "nxd", model=model, optimizer=opt, reshard=False)
     nxd_ckpt.load_checkpoint(str(tmp_path), "nxd", model=model, optimizer=None)
     _assert_bits(model.up.data, torch.cat([s["up"] for s in shards], 0), "up")
     _assert_bits(model.bias.data, bias, "bias")
