@@ -59,7 +59,7 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
                        epilog="example:\n  nxd-ckpt ls ckpts/\n  nxd-ckpt ls ckpts/ --json | jq '.[0].tag'")
     p.add_argument("dir", metavar="DIR", help="the checkpoint directory (holding tag directories)")
     p.add_argument("--json", action="store_true", help="print JSON")
-    p.set_defaults(func=_cmd_ls)
+    p.set_defaults(func=_cmd_ls, reads_s3=True)
 
     p = sub.add_parser("info", help="describe one tag",
                        description="Describe one tag: topology, shards with file counts and bytes, tensor counts "
@@ -70,7 +70,7 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument("--trusted", action="store_true",
                    help="unpickle without weights_only restrictions (only for checkpoints from a trusted source)")
-    p.set_defaults(func=_cmd_info)
+    p.set_defaults(func=_cmd_info, reads_s3=True)
 
     p = sub.add_parser("verify", help="check every file of a tag (or of every tag) against its checksum",
                        description="Verify tags. With a manifest (nxd-ckpt): every file's size and CRC32C. Without "
@@ -87,7 +87,7 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
                         "managed by nxd-ckpt (where a missing manifest is otherwise reported)")
     p.add_argument("--trusted", action="store_true",
                    help="unpickle ref files without weights_only restrictions (trusted sources only)")
-    p.set_defaults(func=_cmd_verify)
+    p.set_defaults(func=_cmd_verify, reads_s3=True)
 
     p = sub.add_parser("convert-zero1", help="change the DP size of a ZeRO-1 optimizer checkpoint",
                        description="Re-shard the ZeRO-1 optimizer state of a tag to a new data-parallel size (or "
@@ -160,18 +160,20 @@ def _cmd_info(args) -> int:
 def _cmd_verify(args) -> int:
     from .errors import CheckpointArgumentError
     from .inspect import format_bytes
+    from .storage import open_storage
     from .verify import is_tag_dir, verify_dir, verify_tag
 
     if args.workers < 1:
         raise CheckpointArgumentError(f"--workers must be >= 1, got {args.workers}")
     path = args.path
-    if not os.path.isdir(path):
+    storage = open_storage(path)
+    if not storage.isdir(""):
         raise CheckpointArgumentError(f"{path} is not a directory; pass a checkpoint directory or DIR/TAG")
     kw = {"require_manifest": False if args.nxd else None, "trusted": args.trusted}
-    if is_tag_dir(path):
-        results = [verify_tag(path, args.workers, **kw)]
+    if is_tag_dir(storage):
+        results = [verify_tag(storage, args.workers, **kw)]
     else:
-        results = verify_dir(path, args.workers, **kw)
+        results = verify_dir(storage, args.workers, **kw)
         if not results:
             raise CheckpointArgumentError(f"{path} holds no checkpoint tags; pass a checkpoint directory or DIR/TAG")
     ok = all(r.ok for r in results)
@@ -184,7 +186,7 @@ def _cmd_verify(args) -> int:
             print(f"{state:<10} {r.tag}  ({r.kind}: {r.files_checked} files, "
                   f"{format_bytes(r.bytes_checked)} checked)")
             for f, what in r.problems:
-                print(f"  {os.path.join(r.path, f) if f != '.' else r.path}: {what}")
+                print(f"  {r.path}/{f if f != '.' else ''}".rstrip("/") + f": {what}")
             for note in r.notes:
                 print(f"  note: {note}")
         bad = sum(not r.ok for r in results)
@@ -262,9 +264,9 @@ def _call(func, args, prog: str) -> int:
     from .storage import check_location
 
     try:
-        for name in _PATH_ARGS:
+        for name in _PATH_ARGS:   # commands that read through storage take s3:// URLs too
             if isinstance(getattr(args, name, None), str):
-                check_location(getattr(args, name), offline_tool=True)
+                check_location(getattr(args, name), offline_tool=not getattr(args, "reads_s3", False))
         return func(args)
     except (CheckpointError, xser.XserError, OSError, ValueError) as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import datetime as _dt
 import io
-import os
 from typing import List, Optional
 
 import torch
@@ -17,7 +16,7 @@ import xser
 from . import commit, layout, masters
 from .errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, UnsafeCheckpointError
 from .manifest import NO_MANIFEST as _NO_MANIFEST, Manifest, TagDescription, describe_tag
-from .storage import LocalStorage
+from .storage import Storage
 from .verify import CheckedReader, load_manifest_file, shard_refs, walk_refs
 
 
@@ -27,34 +26,48 @@ def _iso(ts: Optional[float]) -> Optional[str]:
     return _dt.datetime.fromtimestamp(ts, tz=_dt.timezone.utc).isoformat(timespec="seconds")
 
 
-def _walk_files(tagdir: str):
-    for root, _dirs, names in os.walk(tagdir):
-        for n in names:
-            full = os.path.join(root, n)
-            yield os.path.relpath(full, tagdir).replace(os.sep, "/"), full
+def _sizes(st: Storage, folder: str = ""):
+    """(path relative to ``folder``, size) of every file under ``folder`` of ``st``."""
+    base = f"{folder}/" if folder else ""
+    for rel in st.list(folder):
+        yield rel[len(base):], st.size(rel)
 
 
-def derived_topology(tagdir: str) -> dict:
-    """tp/pp/dp/ep of a tag without a manifest, from its file names (``manifest.describe_tag``). ``dp`` is
-    only known for ZeRO-1 optimizer states (the number of DP shards); otherwise None."""
-    return dict(vars(_describe(tagdir).topology))
+def derived_topology(tagdir) -> dict:
+    """tp/pp/dp/ep of a tag (a path, URL or Storage) without a manifest, from its file names
+    (``manifest.describe_tag``). ``dp`` is only known for ZeRO-1 optimizer states (the number of DP shards);
+    otherwise None."""
+    return dict(vars(_describe(layout.storage_at(tagdir)).topology))
 
 
-def _describe(tagdir: str, manifest: Optional[Manifest] = None) -> TagDescription:
-    parent, name = os.path.split(os.path.abspath(tagdir))
-    storage = LocalStorage(parent)
-    return describe_tag(storage, name, manifest if manifest is not None else _NO_MANIFEST)
+def _describe(st: Storage, manifest: Optional[Manifest] = None) -> TagDescription:
+    return describe_tag(st, "", manifest if manifest is not None else _NO_MANIFEST)
 
 
-def tag_summary(tagdir: str, committed_at: Optional[float] = None) -> dict:
-    """One row of `nxd-ckpt ls`: status with a quick check (presence and sizes, no checksums)."""
-    tagdir = os.path.abspath(tagdir)
-    has_done = os.path.isfile(os.path.join(tagdir, layout.DONE_MARKER))
-    row = {"tag": os.path.basename(tagdir), "path": tagdir, "status": "complete" if has_done else "incomplete",
+def _name(st: Storage) -> str:
+    return st.root.rstrip("/").rpartition("/")[2]
+
+
+def _written_at(st: Storage, has_done: bool) -> Optional[float]:
+    """When the tag was committed (its `done`), else when its directory last changed (None on an object
+    store, which has no directories)."""
+    try:
+        return st.mtime(layout.DONE_MARKER if has_done else "")
+    except OSError:
+        return None
+
+
+def tag_summary(tagdir, committed_at: Optional[float] = None) -> dict:
+    """One row of `nxd-ckpt ls` for a tag (a path, URL or Storage rooted at it): status with a quick check
+    (presence and sizes, no checksums)."""
+    st = layout.storage_at(tagdir)
+    tagdir = st.root
+    has_done = st.isfile(layout.DONE_MARKER)
+    row = {"tag": _name(st), "path": tagdir, "status": "complete" if has_done else "incomplete",
            "problem": None, "size": 0, "files": 0, "written_at": None, "format": None,
            "tp": None, "pp": None, "dp": None, "ep": None, "zero1": None, "xser": None}
     try:
-        manifest = load_manifest_file(tagdir)
+        manifest = load_manifest_file(st)
     except CorruptCheckpointError as exc:
         manifest = None
         row.update(status="damaged", problem=str(exc))
@@ -68,7 +81,7 @@ def tag_summary(tagdir: str, committed_at: Optional[float] = None) -> dict:
         if has_done:
             for rel, entry in sorted(files.items()):
                 try:
-                    size = os.path.getsize(os.path.join(tagdir, rel))
+                    size = st.size(rel)
                 except OSError:
                     row.update(status="damaged", problem=f"{rel} is missing")
                     break
@@ -77,34 +90,32 @@ def tag_summary(tagdir: str, committed_at: Optional[float] = None) -> dict:
                     break
     else:
         row["format"] = "neuronx-distributed"
-        d = _describe(tagdir)
+        d = _describe(st)
         topo = d.topology
         row.update(tp=topo.tp, pp=topo.pp, dp=topo.dp, ep=topo.ep, zero1=d.zero1, xser=d.xser)
-        for rel, full in _walk_files(tagdir):
+        for rel, size in _sizes(st):
             if rel in (layout.CHECKPOINT_MARKER, layout.DONE_MARKER) or rel.endswith(layout.TMP_SUFFIX):
                 continue
             row["files"] += 1
-            row["size"] += os.path.getsize(full)
+            row["size"] += size
     row["model_from_master_weights"] = (bool(manifest.extra.get(masters.FLAG)) if manifest is not None
-                                        else layout.model_data_absent(tagdir))
-    if committed_at is None:
-        marker = os.path.join(tagdir, layout.DONE_MARKER if has_done else "")
-        committed_at = os.path.getmtime(marker if has_done else tagdir)
-    row["written_at"] = _iso(committed_at)
+                                        else layout.model_data_absent(st))
+    row["written_at"] = _iso(committed_at if committed_at is not None else _written_at(st, has_done))
     return row
 
 
-def list_tags(checkpoint_dir: str) -> List[dict]:
-    """Every tag under ``checkpoint_dir``, newest first, with status complete / incomplete / damaged
-    (a quick check: files missing or of the wrong size; checksums are `nxd-ckpt verify`'s job)."""
-    if not os.path.isdir(checkpoint_dir):
-        raise CheckpointNotFoundError(f"{checkpoint_dir} is not a directory")
-    storage = LocalStorage(checkpoint_dir)
-    dated = [(t.committed_at, tag_summary(os.path.join(checkpoint_dir, t.tag), t.committed_at))
+def list_tags(checkpoint_dir) -> List[dict]:
+    """Every tag under ``checkpoint_dir`` (a path, an ``s3://`` URL or a Storage), newest first, with status
+    complete / incomplete / damaged (a quick check: files missing or of the wrong size; checksums are
+    `nxd-ckpt verify`'s job)."""
+    storage = layout.storage_at(checkpoint_dir)
+    if not storage.isdir(""):
+        raise CheckpointNotFoundError(f"{storage.root} is not a directory")
+    dated = [(t.committed_at, tag_summary(storage.child(t.tag), t.committed_at))
              for t in commit.scan_tags(storage)]
     for tag, name in commit.recoverable_tags(storage).items():
         when = storage.mtime(f"{name}/{layout.DONE_MARKER}")
-        row = tag_summary(os.path.join(checkpoint_dir, name), when)
+        row = tag_summary(storage.child(name), when)
         row["tag"] = tag
         row["problem"] = row["problem"] or (f"left as {name} by a crash while it was published; it loads from "
                                             "there, and the next save renames it back")
@@ -113,11 +124,10 @@ def list_tags(checkpoint_dir: str) -> List[dict]:
     return [row for _, row in dated]
 
 
-def _small_file(tagdir: str, name: str, trusted: bool, reader: CheckedReader) -> Optional[dict]:
-    path = os.path.join(tagdir, name)
-    if not os.path.isfile(path):
+def _small_file(name: str, trusted: bool, reader: CheckedReader) -> Optional[dict]:
+    if not reader.exists(name):
         return None
-    out = {"file": name, "bytes": os.path.getsize(path)}
+    out = {"file": name, "bytes": reader.storage.size(name)}
     try:
         data = reader.read(name)
     except CorruptCheckpointError as exc:
@@ -202,10 +212,10 @@ def shard_tensor_meta(reader: CheckedReader, rel: str, manifest: Optional[Manife
     return out
 
 
-def _files_per_shard(folder: str) -> dict:
+def _files_per_shard(st: Storage, folder: str) -> dict:
     """{shard ref file name: (file count, bytes)} counting the ref, its .info.pt and its tensor files."""
     out: dict = {}
-    for rel, full in _walk_files(folder):
+    for rel, size in _sizes(st, folder):
         if "/" in rel:
             name = rel.split("/", 1)[0]
             if name.endswith(layout.TENSORS_SUFFIX):
@@ -215,40 +225,39 @@ def _files_per_shard(folder: str) -> dict:
         else:
             name = rel
         n, b = out.get(name, (0, 0))
-        out[name] = (n + 1, b + os.path.getsize(full))
+        out[name] = (n + 1, b + size)
     return out
 
 
-def describe(tagdir: str, tensors: bool = False, trusted: bool = False) -> dict:
-    """Everything `nxd-ckpt info` shows about one tag."""
-    tagdir = os.path.abspath(tagdir)
-    if not os.path.isdir(tagdir):
+def describe(tagdir, tensors: bool = False, trusted: bool = False) -> dict:
+    """Everything `nxd-ckpt info` shows about one tag (a path, an ``s3://`` URL or a Storage rooted at it)."""
+    st = layout.storage_at(tagdir)
+    tagdir = st.root
+    if not st.isdir(""):
         raise CheckpointNotFoundError(f"{tagdir} does not exist; pass DIR/TAG (see `nxd-ckpt ls DIR`)")
-    summary = tag_summary(tagdir)
+    summary = tag_summary(st)
     manifest = None
     try:
-        manifest = load_manifest_file(tagdir)
+        manifest = load_manifest_file(st)
     except CorruptCheckpointError:
         pass
-    reader = CheckedReader(tagdir, manifest, trusted)
+    reader = CheckedReader(st, manifest, trusted)
     out = {
         "tag": summary["tag"], "path": tagdir, "status": summary["status"], "problem": summary["problem"],
         "format": summary["format"], "written_at": summary["written_at"],
         "library_version": manifest.library_version if manifest else None,
-        "topology": dict(vars(manifest.topology)) if manifest else derived_topology(tagdir),
+        "topology": dict(vars(manifest.topology)) if manifest else derived_topology(st),
         "zero1": summary["zero1"], "xser": summary["xser"],
         "model_from_master_weights": summary["model_from_master_weights"],
-        "has_model": os.path.isdir(os.path.join(tagdir, layout.MODEL_DIR)),
-        "has_optim": os.path.isdir(os.path.join(tagdir, layout.OPTIM_DIR)),
+        "has_model": st.isdir(layout.MODEL_DIR), "has_optim": st.isdir(layout.OPTIM_DIR),
         "total_bytes": summary["size"], "total_files": summary["files"],
         "shards": [], "dtypes": {}, "tensor_count": 0, "errors": [],
     }
     all_tensors = []
     for folder in (layout.MODEL_DIR, layout.OPTIM_DIR):
-        fpath = os.path.join(tagdir, folder)
-        xser_folder = layout.folder_is_xser(fpath)
-        per_shard = _files_per_shard(fpath)
-        for name in shard_refs(fpath):
+        xser_folder = layout.folder_is_xser(st, folder)
+        per_shard = _files_per_shard(st, folder)
+        for name in shard_refs(st, folder):
             rel = f"{folder}/{name}"
             coords = layout.parse_shard_filename(name) or layout.parse_full_filename(name)
             nfiles, nbytes = per_shard.get(name, (0, 0))
@@ -273,25 +282,24 @@ def describe(tagdir: str, tensors: bool = False, trusted: bool = False) -> dict:
                     slot["bytes"] += _nbytes(d, m["shape"])
                 if tensors:
                     all_tensors.append(dict(m, shard=rel))
-    out["dcp_optimizer"] = _dcp_optimizer(tagdir, trusted, out["errors"])
-    out["scheduler"] = _small_file(tagdir, layout.SCHEDULER_FILE, trusted, reader)
-    out["user_content"] = _small_file(tagdir, layout.USER_CONTENT_FILE, trusted, reader)
+    out["dcp_optimizer"] = _dcp_optimizer(st, trusted, out["errors"])
+    out["scheduler"] = _small_file(layout.SCHEDULER_FILE, trusted, reader)
+    out["user_content"] = _small_file(layout.USER_CONTENT_FILE, trusted, reader)
     if tensors:
         out["tensors"] = all_tensors
     return out
 
 
-def _dcp_optimizer(tagdir: str, trusted: bool, errors: List[dict]) -> Optional[dict]:
+def _dcp_optimizer(st: Storage, trusted: bool, errors: List[dict]) -> Optional[dict]:
     """A use_zero1_dcp optimizer (optim/.metadata + .distcp files): its entries, data files and size, read from
     .metadata safely; None when the tag has none (a read problem is added to ``errors``)."""
-    from .dcpmeta import read_metadata_file
+    from .dcpmeta import read_metadata
 
-    folder = os.path.join(tagdir, layout.OPTIM_DIR)
     rel = f"{layout.OPTIM_DIR}/{layout.DCP_METADATA_FILE}"
-    if not os.path.isfile(os.path.join(folder, layout.DCP_METADATA_FILE)):
+    if not st.isfile(rel):
         return None
     try:
-        meta = read_metadata_file(os.path.join(folder, layout.DCP_METADATA_FILE), trusted)
+        meta = read_metadata(st.read_bytes(rel), rel, trusted)
     except CheckpointError as exc:
         msg = str(exc)
         if isinstance(exc, UnsafeCheckpointError):
@@ -299,7 +307,7 @@ def _dcp_optimizer(tagdir: str, trusted: bool, errors: List[dict]) -> Optional[d
         errors.append({"file": rel, "error": msg})
         return {"file": rel, "entries": None, "tensor_entries": None, "data_files": None, "bytes": None}
     files = sorted({i.relative_path for i in (meta.storage_data or {}).values()})
-    sizes = [os.path.getsize(os.path.join(folder, f)) for f in files if os.path.isfile(os.path.join(folder, f))]
+    sizes = [st.size(f"{layout.OPTIM_DIR}/{f}") for f in files if st.isfile(f"{layout.OPTIM_DIR}/{f}")]
     tensors = sum(1 for m in meta.state_dict_metadata.values() if hasattr(m, "chunks"))
     return {"file": rel, "entries": len(meta.state_dict_metadata), "tensor_entries": tensors,
             "data_files": len(files), "bytes": sum(sizes)}

@@ -136,50 +136,61 @@ def tag_dir(checkpoint_dir: str, tag: str) -> str:
     return os.path.join(checkpoint_dir, tag)
 
 
-def holds_checkpoint_data(path: str) -> bool:
-    """True when a tag directory holds something load_checkpoint reads: a shard (ref file, or NxD's DCP
-    optimizer) in model/ or optim/, or scheduler.pt / user_content.pt."""
-    if any(os.path.isfile(os.path.join(path, n)) for n in (SCHEDULER_FILE, USER_CONTENT_FILE)):
-        return True
-    if list_shard_files(os.path.join(path, MODEL_DIR)) or list_shard_files(os.path.join(path, OPTIM_DIR)):
-        return True
-    return os.path.isfile(os.path.join(path, OPTIM_DIR, DCP_METADATA_FILE))
+def storage_at(where):
+    """The Storage for a directory given as a Storage (its root), a POSIX path or an ``s3://`` URL."""
+    if isinstance(where, str):
+        from .storage import open_storage
+
+        return open_storage(where)
+    return where
 
 
-def model_data_absent(path: str) -> bool:
-    """True for NxD's ``avoid_saving_lower_precision_weights`` layout in tag directory ``path``: model/ holds
-    xser ref and info files but none of their tensor files, and optim/ holds shards (whose ZeRO-1 master
-    weights hold the model's weights)."""
-    folder = os.path.join(path, MODEL_DIR)
-    refs = list_shard_files(folder)
-    if not refs or not list_shard_files(os.path.join(path, OPTIM_DIR)):
+def _join(*parts: str) -> str:
+    return "/".join(p for p in parts if p)
+
+
+def holds_checkpoint_data(where) -> bool:
+    """True when a tag directory (a POSIX path or a Storage rooted at the tag) holds something load_checkpoint
+    reads: a shard (ref file, or NxD's DCP optimizer) in model/ or optim/, or scheduler.pt / user_content.pt."""
+    st = storage_at(where)
+    if any(st.isfile(n) for n in (SCHEDULER_FILE, USER_CONTENT_FILE)):
+        return True
+    if list_shard_files(st, MODEL_DIR) or list_shard_files(st, OPTIM_DIR):
+        return True
+    return st.isfile(_join(OPTIM_DIR, DCP_METADATA_FILE))
+
+
+def model_data_absent(where) -> bool:
+    """True for NxD's ``avoid_saving_lower_precision_weights`` layout in a tag directory (a POSIX path or a
+    Storage rooted at the tag): model/ holds xser ref and info files but none of their tensor files, and
+    optim/ holds shards (whose ZeRO-1 master weights hold the model's weights)."""
+    st = storage_at(where)
+    refs = list_shard_files(st, MODEL_DIR)
+    if not refs or not list_shard_files(st, OPTIM_DIR):
         return False
     for name in refs.values():
-        if not os.path.isfile(os.path.join(folder, name + INFO_SUFFIX)):
+        if not st.isfile(_join(MODEL_DIR, name + INFO_SUFFIX)):
             return False
-        tdir = os.path.join(folder, name + TENSORS_SUFFIX)
-        if os.path.isdir(tdir) and any(n.startswith("tensor_") for n in os.listdir(tdir)):
+        if any(n.startswith("tensor_") for n in st.listdir(_join(MODEL_DIR, name + TENSORS_SUFFIX))):
             return False
     return True
 
 
-def list_shard_files(folder: str) -> dict:
-    """Map ShardName -> file name for every shard ref file directly in ``folder`` (empty when missing)."""
-    if not os.path.isdir(folder):
-        return {}
+def list_shard_files(where, folder: str = "") -> dict:
+    """Map ShardName -> file name for every shard ref file directly in ``folder`` of ``where`` (a POSIX path
+    or a Storage); empty when missing."""
     out = {}
-    for name in os.listdir(folder):
+    for name in storage_at(where).listdir(folder):
         parsed = parse_shard_filename(name)
         if parsed is not None:
             out[parsed] = name
     return out
 
 
-def folder_is_xser(folder: str) -> bool:
+def folder_is_xser(where, folder: str = "") -> bool:
     """xser is detected, as NxD does, by the presence of ``*.tensors`` folders."""
-    if not os.path.isdir(folder):
-        return False
-    return any(n.endswith(TENSORS_SUFFIX) and os.path.isdir(os.path.join(folder, n)) for n in os.listdir(folder))
+    st = storage_at(where)
+    return any(n.endswith(TENSORS_SUFFIX) and st.isdir(_join(folder, n)) for n in st.listdir(folder))
 
 
 def folder_is_zero1(folder: str) -> bool:

@@ -228,11 +228,16 @@ def parse(body: Optional[bytes], done: Optional[bytes], where: str) -> Optional[
         raise ValueError(f"{name} has a malformed entry ({exc!r})") from None
 
 
+def _in(tag: str, rel: str) -> str:
+    """``rel`` inside ``tag`` ("" when the storage is rooted at the tag itself)."""
+    return f"{tag}/{rel}" if tag else rel
+
+
 def read(storage, tag: str) -> Optional[Manifest]:
     """The manifest of ``tag`` in ``storage``, or None when it has none (NxD checkpoints). ValueError when
     it is missing although `done` records one, altered, or unreadable."""
-    return parse(_read_if_file(storage, f"{tag}/{layout.MANIFEST_FILE}"),
-                 _read_if_file(storage, f"{tag}/{layout.DONE_MARKER}"), tag)
+    return parse(_read_if_file(storage, _in(tag, layout.MANIFEST_FILE)),
+                 _read_if_file(storage, _in(tag, layout.DONE_MARKER)), tag)
 
 
 def _read_if_file(storage, rel: str) -> Optional[bytes]:
@@ -276,15 +281,15 @@ def describe_tag(storage, name: str, manifest=None) -> TagDescription:
         manifest = read(storage, name)
     elif manifest is NO_MANIFEST:
         manifest = None
-    complete = storage.isfile(f"{name}/{layout.DONE_MARKER}")
-    has_model, has_optim = storage.isdir(f"{name}/{layout.MODEL_DIR}"), storage.isdir(f"{name}/{layout.OPTIM_DIR}")
+    complete = storage.isfile(_in(name, layout.DONE_MARKER))
+    has_model, has_optim = storage.isdir(_in(name, layout.MODEL_DIR)), storage.isdir(_in(name, layout.OPTIM_DIR))
     if manifest is not None:
         dcp = bool(manifest.extra.get("zero1_dcp"))
         return TagDescription(name, True, complete, manifest.topology, manifest.zero1,
                               manifest.zero1_shards if manifest.zero1 and not dcp else None, manifest.xser,
                               manifest.has_model and has_model, manifest.has_optim and has_optim, manifest, dcp)
-    model = storage.listdir(f"{name}/{layout.MODEL_DIR}") if has_model else []
-    optim = storage.listdir(f"{name}/{layout.OPTIM_DIR}") if has_optim else []
+    model = storage.listdir(_in(name, layout.MODEL_DIR)) if has_model else []
+    optim = storage.listdir(_in(name, layout.OPTIM_DIR)) if has_optim else []
     shards = [layout.parse_shard_filename(n) for n in optim]
     optim_shards = [s for s in shards if s is not None]
     names = [s for s in (layout.parse_shard_filename(n) for n in model) if s is not None] + optim_shards
