@@ -43,7 +43,7 @@ from .fullstate import (ConversionError, FullState, OptimState, ParamState, Tens
                         rule_partition)
 from .outdir import publish_output
 from .partition import Partition
-from .verify import file_crc32c
+from .storage.local import file_crc32c
 
 LAYOUTS = ("plain", "torchtitan")
 META_KEY = "nxd_ckpt"

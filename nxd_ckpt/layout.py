@@ -88,7 +88,7 @@ def tensor_filename(tid: int) -> str:
 
 
 def tensor_path(ref_path: str, tid: int) -> str:
-    return os.path.join(tensors_dir(ref_path), tensor_filename(tid))
+    return f"{tensors_dir(ref_path)}/{tensor_filename(tid)}"
 
 
 def tensor_home(ref_relpath: str, expert: bool) -> str:

@@ -8,13 +8,11 @@ tensor file opens.
 from __future__ import annotations
 
 import io
-import os
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
-import crc32c as _crc32c
 import torch
 
 import xser
@@ -23,9 +21,6 @@ from . import commit, layout
 from .manifest import FileEntry, Manifest, parse as parse_manifest
 from .storage import Storage, open_storage
 from .errors import CheckpointError, CorruptCheckpointError, UnsafeCheckpointError
-
-READ_BLOCK = 8 << 20
-
 
 # --- reading with checks ---------------------------------------------------------------------------
 def _tag_storage(where) -> Storage:
@@ -46,33 +41,6 @@ def load_manifest_file(tagdir) -> Optional[Manifest]:
 
 def _read_if_file(st: Storage, rel: str) -> Optional[bytes]:
     return st.read_bytes(rel) if st.isfile(rel) else None
-
-
-def file_crc32c(path: str) -> Tuple[int, int]:
-    """(size, CRC32C) of a local file, read in large blocks into one reused buffer."""
-    crc, size = 0, 0
-    buf = bytearray(min(READ_BLOCK, max(1, os.path.getsize(path))))
-    view = memoryview(buf)
-    with open(path, "rb", buffering=0) as f:
-        while True:
-            n = f.readinto(buf)
-            if not n:
-                break
-            crc = _crc32c.crc32c(view[:n], crc)
-            size += n
-    return size, crc
-
-
-def stream_crc32c(st: Storage, rel: str) -> Tuple[int, int]:
-    """(size, CRC32C) of one file of any backend without holding it in memory: the local file in blocks,
-    or ranged reads of READ_BLOCK bytes from an object store."""
-    local = st.local_path(rel)
-    if local is not None:
-        return file_crc32c(local)
-    total, crc = st.size(rel), 0
-    for off in range(0, total, READ_BLOCK):
-        crc = _crc32c.crc32c(st.read(rel, off, min(READ_BLOCK, total - off)), crc)
-    return total, crc
 
 
 class CheckedReader:
@@ -117,7 +85,7 @@ class CheckedReader:
             raise CorruptCheckpointError(f"{where} is missing", path=where)
         if entry is None:
             return
-        size, crc = stream_crc32c(self.storage, relpath)
+        size, crc = self.storage.crc32c(relpath)
         entry.check(size, crc, where)
 
     def refs(self, relpath: str):
@@ -177,6 +145,17 @@ class CheckedReader:
         local = self.storage.local_path(relpath)
         if local is None:
             return self.tensor(relpath)
+        entry = self.files.get(relpath)
+        if entry is not None:   # the loader's one-pass verified mapping; None: the full read says why
+            from .reader import _read_tensor_mapped
+
+            try:
+                t = _read_tensor_mapped(local, entry, self.trusted, self.path(relpath))
+            except xser.UnsafeCheckpointError:
+                raise
+            except Exception:  # noqa: BLE001 - any doubt: the byte-exact path decides and explains
+                t = None
+            return t if t is not None else self.tensor(relpath)
         self.check_file(relpath)
         try:
             t = torch.load(local, map_location="cpu", weights_only=not self.trusted, mmap=True)
@@ -254,7 +233,7 @@ def _check_one(st: Storage, relpath: str, entry: FileEntry) -> Optional[str]:
     if entry.mismatch(size, None):
         return entry.mismatch(size, None)
     try:
-        size, crc = stream_crc32c(st, relpath)
+        size, crc = st.crc32c(relpath)
     except OSError as exc:
         return f"cannot be read: {exc}"
     return entry.mismatch(size, crc)
@@ -402,7 +381,7 @@ def _check_refs(reader: CheckedReader, folder: str, res: VerifyResult, from_mast
                     res.problems.append((layout.info_path(rel), str(exc)))
             for tid in xser.collect_tids(data):
                 expert = layout.is_expert(info.get(tid)) if info is not None else True
-                tensor_files.append(layout.tensor_path(layout.tensor_home(rel, expert), tid).replace(os.sep, "/"))
+                tensor_files.append(layout.tensor_path(layout.tensor_home(rel, expert), tid))
         else:
             try:
                 reader.plain(rel, mmap=True)

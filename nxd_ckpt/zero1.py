@@ -33,7 +33,8 @@ from .errors import CheckpointArgumentError, CheckpointError, CorruptCheckpointE
 from .outdir import check_output_dir, publish_output
 from .partition import make_piece, piece_rows as _per, rows_tail as _rows_tail
 from .storage import FileRecord, LocalStorage
-from .verify import CheckedReader, file_crc32c, load_manifest_file
+from .storage.local import file_crc32c
+from .verify import CheckedReader, load_manifest_file
 
 
 class Zero1FormatError(CheckpointError, ValueError):

@@ -16,6 +16,9 @@ from typing import Callable, Iterable, List, Optional
 
 import crc32c as _crc32c
 
+#: block size of streaming checksum reads
+READ_BLOCK = 8 << 20
+
 # A test hook: called with (relpath) before every file write; it may block or raise (fault injection).
 _write_hook: Optional[Callable[[str], None]] = None
 
@@ -166,6 +169,14 @@ class Storage(ABC):
 
     def read_bytes(self, relpath: str) -> bytes:
         return self.read(relpath)
+
+    def crc32c(self, relpath: str) -> tuple:
+        """(size, CRC32C) of one file without holding it in memory: ranged reads of READ_BLOCK bytes
+        (LocalStorage reads the file in blocks into one reused buffer)."""
+        total, crc = self.size(relpath), 0
+        for off in range(0, total, READ_BLOCK):
+            crc = _crc32c.crc32c(self.read(relpath, off, min(READ_BLOCK, total - off)), crc)
+        return total, crc
 
     def exists(self, relpath: str) -> bool:
         """A file or a non-empty directory (like os.path.exists)."""

@@ -8,10 +8,27 @@ import functools
 import os
 import shutil
 from concurrent.futures import ThreadPoolExecutor
-from typing import Iterable, List, Optional
+from typing import Iterable, List, Optional, Tuple
 
 from ..layout import TMP_SUFFIX
-from .base import Capabilities, FileRecord, AlreadyExistsError, Sink, Stat, Storage
+import crc32c as _crc32c
+
+from .base import READ_BLOCK, Capabilities, FileRecord, AlreadyExistsError, Sink, Stat, Storage
+
+
+def file_crc32c(path: str) -> Tuple[int, int]:
+    """(size, CRC32C) of a local file, read in large blocks into one reused buffer."""
+    crc, size = 0, 0
+    buf = bytearray(min(READ_BLOCK, max(1, os.path.getsize(path))))
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while True:
+            n = f.readinto(buf)
+            if not n:
+                break
+            crc = _crc32c.crc32c(view[:n], crc)
+            size += n
+    return size, crc
 
 _SYNC_THREADS = 8
 
@@ -85,6 +102,9 @@ class LocalStorage(Storage):
             rel = os.path.relpath(dirpath, self.root)
             out += [name if rel == "." else f"{rel}/{name}" for name in files]
         return sorted(out)
+
+    def crc32c(self, relpath: str) -> Tuple[int, int]:
+        return file_crc32c(self.path(relpath))
 
     def stat(self, relpath: str) -> Stat:
         st = os.stat(self.path(relpath))
