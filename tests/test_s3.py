@@ -148,6 +148,42 @@ def test_server_that_stops_answering_fails_every_rank_within_timeout(fault_proxy
     assert nxd_ckpt.list_checkpoints(url) == ["good"]
 
 
+def _stuck_save_rank(rank, world, url, timeout_s):
+    import time
+
+    import nxd_ckpt
+    import parallel_state as ps
+
+    ps.initialize_model_parallel(tensor_model_parallel_size=1)
+    start = time.monotonic()
+    try:
+        nxd_ckpt.save_checkpoint(url, "stuck", use_xser=True, model=TinyShard(), timeout_s=timeout_s)
+    except nxd_ckpt.RankFailureError as exc:
+        return "RankFailureError", str(exc), time.monotonic() - start
+    return "saved", "", time.monotonic() - start
+
+
+def test_server_that_stops_answering_fails_both_ranks(fault_proxy):
+    """Two ranks, a server that reads every request and never answers: each rank raises RankFailureError
+    (none hangs: run_ranks fails on a rank that does not return), and no `done` is ever written. Rank 0 fails
+    on its own S3 deadline, rank 1 on its wait for rank 0's staging marker."""
+    import nxd_ckpt
+    from s3_fixtures import S3_ENV
+
+    proxy, url = fault_proxy
+    proxy.blackhole(True)
+    out = run_ranks(_stuck_save_rank, 2, url, 3, timeout=120,
+                    env={**S3_ENV, "AWS_ENDPOINT_URL_S3": proxy.endpoint})
+    assert [o[0] for o in out] == ["RankFailureError"] * 2, out
+    assert "did not succeed within 3s" in out[0][1] and "rank 1 waited 3s" in out[1][1], out
+    assert proxy.injected["blackholed"] > 0
+    proxy.blackhole(False)
+    assert nxd_ckpt.list_checkpoints(url) == []
+    from nxd_ckpt.storage import open_storage
+
+    assert not open_storage(url).isfile("stuck/done")
+
+
 def test_nxd_ckpt_verify_reads_s3_and_catches_a_flipped_byte(s3_url, moto_endpoint, capsys):
     """`nxd-ckpt verify s3://...` re-reads every object through the object-store Storage: intact tags
     pass, one flipped byte is named with the checksum mismatch and the exit code is 1."""
