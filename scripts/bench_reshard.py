@@ -81,6 +81,7 @@ def worker(args) -> None:
             full = torch.randn(shape, generator=torch.Generator().manual_seed(n))
             sd[key] = _tagged(split_tp(full, _part(dim), args.tp, tp_rank).clone(), dim)
         nxd_ckpt.save_checkpoint(args.dir, "s", model=sd, use_xser=True)
+        _shut_down(dist, ps)
         return
     sd = {key: _tagged(torch.zeros(tp_shard_shape(shape, _part(dim), args.tp)), dim)
           for key, shape, dim in spec if stage[key] == pp_rank}
@@ -101,6 +102,14 @@ def worker(args) -> None:
     if dist.get_rank() == 0:
         with open(args.result, "w") as f:
             json.dump(rows, f)
+    _shut_down(dist, ps)
+
+
+def _shut_down(dist, ps) -> None:
+    # Every rank waits for the others before tearing down, and the host gloo groups go before the default
+    # group: a rank that exits while a peer still holds a gloo connection to it aborts that peer (SIGABRT).
+    dist.barrier()
+    ps.destroy_model_parallel()
     dist.destroy_process_group()
 
 
