@@ -14,6 +14,7 @@ from .errors import CheckpointArgumentError, CheckpointNotFoundError, CorruptChe
 from .loader import (agree, agreed_candidates, apply_ignore_keys, apply_model, apply_optimizer, check_model,
                      check_optimizer, copies_every_tensor, read_tag)
 from .storage import check_location, open_storage
+from .storage.s3 import S3Error
 from .world import current_world
 
 log = logging.getLogger("nxd_ckpt")
@@ -96,7 +97,8 @@ def load_checkpoint(path, tag=None, model=None, optimizer=None, scheduler=None, 
     other TP / PP / ZeRO-1 DP sizes is resharded into this job's sizes (needs ``model``); ``reshard=False``
     refuses it with TopologyMismatchError instead.
     ``timeout_s``: how long any exchange waits for another rank (the same value on every rank); a rank that
-    does not answer in time makes every waiting rank raise RankFailureError.
+    does not answer in time makes every waiting rank raise RankFailureError. On S3 also one deadline for
+    all of this rank's requests of the load; past it the load raises RankFailureError.
     """
     root = check_location(path)
     if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
@@ -106,12 +108,14 @@ def load_checkpoint(path, tag=None, model=None, optimizer=None, scheduler=None, 
     if not isinstance(reshard, bool):
         raise CheckpointArgumentError(f"reshard must be True or False, got {reshard!r}")
     storage = open_storage(root, timeout_s=timeout_s, workers=num_workers)
-    if not storage.isdir(""):
-        raise CheckpointNotFoundError(f"checkpoint directory {root!r} does not exist")
     try:
+        if not storage.isdir(""):
+            raise CheckpointNotFoundError(f"checkpoint directory {root!r} does not exist")
         with hostgroups.timeout(timeout_s):
             return _load_newest(storage, root, tag, model, optimizer, scheduler, num_workers, strict, ignore_keys,
                                 trusted, node_local, reshard)
+    except S3Error as exc:
+        raise RankFailureError(f"load_checkpoint from {root}: {exc}. Nothing was changed on this rank") from exc
     except RuntimeError as exc:
         if "timed out" not in str(exc).lower() and "timeout" not in str(exc).lower():
             raise

@@ -135,7 +135,8 @@ def test_connection_reset_mid_upload_is_retried(fault_proxy):
 
 
 def test_server_that_stops_answering_fails_every_rank_within_timeout(fault_proxy):
-    """Every rank raises RankFailureError (none hangs); the tag is never marked complete."""
+    """A save, then a load, against a server that stops answering: each raises RankFailureError having
+    started no S3 request after its deadline (one per save / load); the tag is never marked complete."""
     import nxd_ckpt
 
     proxy, url = fault_proxy
@@ -143,30 +144,44 @@ def test_server_that_stops_answering_fails_every_rank_within_timeout(fault_proxy
     proxy.blackhole(True)
     with pytest.raises(nxd_ckpt.RankFailureError, match="did not succeed within 3s"):
         nxd_ckpt.save_checkpoint(url, "stuck", use_xser=True, model=TinyShard(), timeout_s=3)
+    last_attempt, deadline = _last_attempt_vs_deadline()
+    assert last_attempt is not None and last_attempt < deadline
+    # A load's requests share one deadline too.
+    with pytest.raises(nxd_ckpt.RankFailureError, match="did not succeed within 3s"):
+        nxd_ckpt.load_checkpoint(url, "good", model=TinyShard(), timeout_s=3)
+    last_attempt, deadline = _last_attempt_vs_deadline()
+    assert last_attempt is not None and last_attempt < deadline
     assert proxy.injected["blackholed"] > 0
     proxy.blackhole(False)
     assert nxd_ckpt.list_checkpoints(url) == ["good"]
 
 
-def _stuck_save_rank(rank, world, url, timeout_s):
-    import time
+def _last_attempt_vs_deadline():
+    """(start of the newest S3 attempt, the save-wide deadline) of this process's newest save or load."""
+    from nxd_ckpt.storage import _S3_BUCKETS
 
+    views = [b.last_view for b in _S3_BUCKETS.values() if b.last_view is not None]
+    view = max(views, key=lambda v: v.deadline)
+    return view.last_attempt_at, view.deadline
+
+
+def _stuck_save_rank(rank, world, url, timeout_s):
     import nxd_ckpt
     import parallel_state as ps
 
     ps.initialize_model_parallel(tensor_model_parallel_size=1)
-    start = time.monotonic()
     try:
         nxd_ckpt.save_checkpoint(url, "stuck", use_xser=True, model=TinyShard(), timeout_s=timeout_s)
     except nxd_ckpt.RankFailureError as exc:
-        return "RankFailureError", str(exc), time.monotonic() - start
-    return "saved", "", time.monotonic() - start
+        return ("RankFailureError", str(exc)) + _last_attempt_vs_deadline()
+    return ("saved", "") + _last_attempt_vs_deadline()
 
 
 def test_server_that_stops_answering_fails_both_ranks(fault_proxy):
     """Two ranks, a server that reads every request and never answers: each rank raises RankFailureError
     (none hangs: run_ranks fails on a rank that does not return), and no `done` is ever written. Rank 0 fails
-    on its own S3 deadline, rank 1 on its wait for rank 0's staging marker."""
+    on its save-wide S3 deadline and publishes the failure, which rank 1 (waiting for rank 0's staging
+    marker) raises before its own wait would time out."""
     import nxd_ckpt
     from s3_fixtures import S3_ENV
 
@@ -175,7 +190,11 @@ def test_server_that_stops_answering_fails_both_ranks(fault_proxy):
     out = run_ranks(_stuck_save_rank, 2, url, 3, timeout=120,
                     env={**S3_ENV, "AWS_ENDPOINT_URL_S3": proxy.endpoint})
     assert [o[0] for o in out] == ["RankFailureError"] * 2, out
-    assert "did not succeed within 3s" in out[0][1] and "rank 1 waited 3s" in out[1][1], out
+    assert all("did not succeed within 3s" in o[1] for o in out), out
+    assert "rank 0 could not create its staging directory" in out[1][1], out
+    # Rank 0's S3 layer retried until the save-wide deadline and started no request after it.
+    last_attempt, deadline = out[0][2], out[0][3]
+    assert last_attempt is not None and last_attempt < deadline, out
     assert proxy.injected["blackholed"] > 0
     proxy.blackhole(False)
     assert nxd_ckpt.list_checkpoints(url) == []

@@ -46,7 +46,8 @@ def open_storage(root: str, *, timeout_s: Optional[float] = None, workers: Optio
                  s3_client=None, endpoint_url: Optional[str] = None) -> Storage:
     """The Storage for a checkpoint directory path or URL: ``s3://bucket/prefix`` is S3 (boto3; credentials,
     region and endpoint from the AWS configuration chain, or ``s3_client`` / ``endpoint_url``; every
-    request retried until ``timeout_s``); ``mem://bucket/prefix`` and ``objdir:///dir`` are object stores
+    request retried until ``timeout_s``, which is one deadline for every request made through the returned
+    Storage when given, e.g. a whole save or load, and per request when not); ``mem://bucket/prefix`` and ``objdir:///dir`` are object stores
     for tests, served only once ``testing.enable_test_schemes()`` ran in this process; any other
     ``scheme://`` is refused by ``check_location``; everything else is a POSIX path."""
     text = check_location(root)
@@ -74,7 +75,8 @@ def _open_s3(url: str, timeout_s, workers, client, endpoint_url) -> Storage:
     if key not in _S3_BUCKETS:
         _S3_BUCKETS[key] = S3Bucket(bucket, client=client, endpoint_url=endpoint_url,
                                     timeout_s=timeout_s or DEFAULT_TIMEOUT_S, workers=workers or 8)
-    return ObjectStorage(_S3_BUCKETS[key], prefix, url)
+    shared = _S3_BUCKETS[key]
+    return ObjectStorage(shared.with_deadline(timeout_s) if timeout_s else shared, prefix, url)
 
 
 __all__ = ["AlreadyExistsError", "Capabilities", "FileRecord", "Stat", "Storage", "LocalStorage", "ObjectStorage",

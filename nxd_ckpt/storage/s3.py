@@ -5,14 +5,18 @@ Every object is uploaded with the CRC32C computed while it was produced, sent as
 the server rejects a damaged upload. Objects larger than one part go up as a multipart upload whose parts
 are sent in parallel while the file is still being produced; reads of large objects are parallel ranged
 GETs. Every request is retried on throttling (SlowDown, 503), server errors (500), request timeouts and
-dropped connections with capped exponential backoff and full jitter, until an overall deadline
-(``timeout_s``); then the call raises ``S3Error`` (an OSError) naming the operation, the key and the last
-error. Credentials, region and endpoint come from the standard AWS chain (environment, profiles,
+dropped connections with capped exponential backoff and full jitter, until a deadline; then the call
+raises ``S3Error`` (an OSError) naming the operation, the key and the last error. A view made by
+``with_deadline`` (one per save or load) shares one absolute deadline across all its requests: no attempt
+starts after it, and each attempt's connect and read timeouts are capped so that a silent server cannot hold
+it past the deadline. Without a view each request gets its own ``timeout_s``. Credentials, region and endpoint come from the standard AWS chain (environment, profiles,
 ``AWS_ENDPOINT_URL`` / ``AWS_ENDPOINT_URL_S3``) unless a client or endpoint is passed.
 """
 from __future__ import annotations
 
 import base64
+import copy
+import math
 import os
 import random
 import threading
@@ -30,6 +34,9 @@ RANGE_SIZE = 32 << 20         # ranged GET size for large objects
 DEFAULT_TIMEOUT_S = 1800.0
 BACKOFF_BASE_S = 0.1
 BACKOFF_CAP_S = 5.0
+CONNECT_TIMEOUT_S = 10.0      # the uncapped client's socket timeouts
+READ_TIMEOUT_S = 60.0
+MIN_ATTEMPT_S = 0.25          # with less time left than this before the deadline no attempt starts
 
 _RETRY_CODES = {"SlowDown", "Throttling", "ThrottlingException", "RequestTimeout", "RequestTimeTooSkewed",
                 "InternalError", "ServiceUnavailable", "503", "500", "502", "504", "RequestLimitExceeded"}
@@ -50,26 +57,63 @@ class S3Bucket(Bucket):
                  timeout_s: float = DEFAULT_TIMEOUT_S, workers: int = 8):
         self.name = name
         self.timeout_s = float(timeout_s)
+        self.endpoint_url = endpoint_url
+        self._own_client = client is None
         self.client = client if client is not None else make_client(endpoint_url, self.timeout_s)
         self.workers = max(1, int(workers))
         self._pool = ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="nxd_ckpt-s3")
         self.requests: Dict[str, int] = {}
         self._lock = threading.Lock()
+        self._capped: Dict[float, object] = {}     # socket timeout -> client, shared by every view
+        self.deadline: Optional[float] = None       # time.monotonic() value; set on views only
+        self.last_attempt_at: Optional[float] = None  # when this view's newest attempt started
+        self.last_view: Optional["S3Bucket"] = None   # the newest view (for tests and diagnostics)
+
+    def with_deadline(self, timeout_s: float) -> "S3Bucket":
+        """A view sharing this bucket's client, pool and counters whose every request, retries included,
+        ends by ``time.monotonic() + timeout_s`` (measured now). One per save or load."""
+        view = copy.copy(self)
+        view.deadline = time.monotonic() + float(timeout_s)
+        view.timeout_s = float(timeout_s)
+        view.last_attempt_at = None
+        self.last_view = view
+        return view
+
+    def _client_for(self, remaining: float):
+        """(client, its socket timeout or 0 when uncapped): a client whose connect and read timeouts each fit
+        in half the time left (a power of two, so a handful of clients serve a whole save), so a connect
+        plus one stalled read end by the deadline. A caller's own client is never capped."""
+        if not self._own_client or remaining >= 2 * READ_TIMEOUT_S:
+            return self.client, 0.0
+        cap = 2.0 ** math.floor(math.log2(remaining / 2))
+        with self._lock:
+            if cap not in self._capped:
+                self._capped[cap] = make_client(self.endpoint_url, cap, connect_s=cap, read_s=cap)
+            return self._capped[cap], cap
 
     # --- retries ------------------------------------------------------------------------------------
     def call(self, op: str, key: str, fn: Optional[Callable] = None, **kw):
         """``client.<op>(Bucket=..., **kw)`` (or ``fn(Bucket=..., **kw)``) with retries until the deadline."""
         from botocore.exceptions import ClientError
 
-        deadline = time.monotonic() + self.timeout_s
+        deadline = self.deadline if self.deadline is not None else time.monotonic() + self.timeout_s
         attempt = 0
-        fn = fn or getattr(self.client, op)
+        last = "none started"
         while True:
+            now = time.monotonic()
+            if deadline - now < MIN_ATTEMPT_S:
+                raise S3Error(f"S3 {op} of s3://{self.name}/{key} did not succeed within {self.timeout_s:.0f}s "
+                              f"({attempt} attempts; last: {last}); check the endpoint, throttling and network")
+            client, cap = self._client_for(deadline - now)
+            now = time.monotonic()
+            if 2 * cap > deadline - now:
+                continue  # making the client took time: take the next smaller class (or give up)
             attempt += 1
             with self._lock:
                 self.requests[op] = self.requests.get(op, 0) + 1
+                self.last_attempt_at = now
             try:
-                return fn(Bucket=self.name, **kw)
+                return fn(client, Bucket=self.name, **kw) if fn else getattr(client, op)(Bucket=self.name, **kw)
             except ClientError as exc:
                 code = str(exc.response.get("Error", {}).get("Code", ""))
                 status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
@@ -83,10 +127,7 @@ class S3Bucket(Bucket):
             except _transient_errors() as exc:
                 last = f"{type(exc).__name__}: {exc}"
             pause = random.uniform(0, min(BACKOFF_CAP_S, BACKOFF_BASE_S * 2 ** (attempt - 1)))
-            if time.monotonic() + pause >= deadline:
-                raise S3Error(f"S3 {op} of s3://{self.name}/{key} did not succeed within {self.timeout_s:.0f}s "
-                              f"({attempt} attempts; last: {last}); check the endpoint, throttling and network")
-            time.sleep(pause)
+            time.sleep(max(0.0, min(pause, deadline - time.monotonic())))
 
     # --- Bucket ---------------------------------------------------------------------------------------
     def put(self, key: str, data: bytes, crc32c: int, if_none_match: bool = False) -> None:
@@ -110,8 +151,8 @@ class S3Bucket(Bucket):
 
     def _read_body(self, key: str, **kw) -> bytes:
         # The body is read inside the retried call: a connection dropped mid-body is retried as well.
-        def get_and_read(**args):
-            return self.client.get_object(**args)["Body"].read()
+        def get_and_read(client, **args):
+            return client.get_object(**args)["Body"].read()
 
         return self.call("get_object", key, fn=get_and_read, Key=key, **kw)
 
@@ -205,7 +246,8 @@ class _MultipartSink(Sink):
         for f in self.parts:
             f.cancel()
         try:
-            self.b.client.abort_multipart_upload(Bucket=self.b.name, Key=self.key, UploadId=self.upload_id)
+            # A short cap: after a failed save the server may be the thing that stopped answering.
+            self.b._client_for(1.0)[0].abort_multipart_upload(Bucket=self.b.name, Key=self.key, UploadId=self.upload_id)
         except Exception:  # noqa: BLE001 - best effort; a lifecycle rule removes stale uploads
             pass
         self.upload_id = None
@@ -220,14 +262,15 @@ def _transient_errors() -> tuple:
             ResponseStreamingError, ProtocolError, ConnectionError)
 
 
-def make_client(endpoint_url: Optional[str], timeout_s: float):
+def make_client(endpoint_url: Optional[str], timeout_s: float, *, connect_s: float = CONNECT_TIMEOUT_S,
+                read_s: float = READ_TIMEOUT_S):
     """A boto3 S3 client from the standard AWS configuration chain; our own retries (botocore's are off),
     botocore's own checksums only where required (we send and verify CRC32C ourselves)."""
     import boto3
     from botocore.config import Config
 
-    cfg = Config(retries={"total_max_attempts": 1}, connect_timeout=min(10.0, timeout_s),
-                 read_timeout=min(60.0, timeout_s), max_pool_connections=64,
+    cfg = Config(retries={"total_max_attempts": 1}, connect_timeout=min(connect_s, timeout_s),
+                 read_timeout=min(read_s, timeout_s), max_pool_connections=64,
                  request_checksum_calculation="when_required", response_checksum_validation="when_required")
     kw = {"endpoint_url": endpoint_url} if endpoint_url else {}
     if not os.environ.get("AWS_REGION") and not os.environ.get("AWS_DEFAULT_REGION"):
