@@ -249,35 +249,37 @@ def add_import(p) -> None:
     _common(p)
 
 
-def add_reshard(p) -> None:
-    p.add_argument("src", metavar="SRC_TAG", help="the tag to reshard (never modified)")
-    p.add_argument("dst", metavar="DST_TAG", help="the new tag directory")
-    _sizes_args(p)
-    _rules_args(p, preset=False)
+def _state_args(p, src: str, src_help: str, dst: str, dst_help: str, *, tag_out: bool, preset: bool) -> None:
+    """The arguments reshard, to-dcp and from-dcp share: SRC and DST (``src``/``dst`` their metavars), the new
+    tag's sizes when ``tag_out``, the partition rules (with --preset when ``preset``), --no-optimizer, and
+    --overwrite/--trusted/--json."""
+    p.add_argument("src", metavar=src, help=src_help)
+    p.add_argument("dst", metavar=dst, help=dst_help)
+    if tag_out:
+        _sizes_args(p)
+    _rules_args(p, preset=preset)
     p.add_argument("--no-optimizer", action="store_true", help="write the model only")
     _common(p)
+
+
+def add_reshard(p) -> None:
+    _state_args(p, "SRC_TAG", "the tag to reshard (never modified)", "DST_TAG", "the new tag directory",
+                tag_out=True, preset=False)
 
 
 def add_to_dcp(p) -> None:
     from .dcpio import LAYOUTS
 
-    p.add_argument("src", metavar="SRC_TAG", help="the tag to convert (never modified)")
-    p.add_argument("dst", metavar="OUT_DIR", help="the DCP checkpoint directory to write")
+    _state_args(p, "SRC_TAG", "the tag to convert (never modified)", "OUT_DIR",
+                "the DCP checkpoint directory to write", tag_out=False, preset=False)
     p.add_argument("--layout", choices=LAYOUTS, default="plain",
                    help="plain: top-level 'model' and 'optim' (get_state_dict's form); torchtitan: TorchTitan's "
                         "checkpoint keys (default: plain)")
-    _rules_args(p, preset=False)
-    p.add_argument("--no-optimizer", action="store_true", help="write the model only")
-    _common(p)
 
 
 def add_from_dcp(p) -> None:
-    p.add_argument("src", metavar="DCP_DIR", help="a torch.distributed.checkpoint directory (holds .metadata)")
-    p.add_argument("dst", metavar="DST_TAG", help="the tag directory to write")
-    _sizes_args(p)
-    _rules_args(p)
-    p.add_argument("--no-optimizer", action="store_true", help="write the model only")
-    _common(p)
+    _state_args(p, "DCP_DIR", "a torch.distributed.checkpoint directory (holds .metadata)", "DST_TAG",
+                "the tag directory to write", tag_out=True, preset=True)
 
 
 EPILOGS = {

@@ -28,20 +28,17 @@ import contextlib
 import functools
 import io
 import os
-import shutil
-import sys
 import warnings
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from . import commit
 from . import manifest as manifest_mod
 from .errors import CheckpointArgumentError, CorruptCheckpointError
 from .fullstate import (ConversionError, FullState, OptimState, ParamState, TensorSource, natural_step,
                         rule_partition)
-from .outdir import publish_output
+from .outdir import progress_bar, staged_output
 from .partition import Partition
 from .storage.local import file_crc32c
 
@@ -223,17 +220,8 @@ def write_dcp(state: FullState, dst: str, layout_kind: str = "plain", *, progres
     if layout_kind not in LAYOUTS:
         raise CheckpointArgumentError(f"--layout {layout_kind!r} is not one of {', '.join(LAYOUTS)}")
     sd, loaders = build_state_dict(state, layout_kind)
-    stage = dst + commit.STAGING_SUFFIX
-    shutil.rmtree(stage, ignore_errors=True)
-    os.makedirs(stage)
-    show = sys.stderr.isatty() if progress is None else bool(progress)
-    bar = None
-    if show:
-        from tqdm import tqdm
-
-        bar = tqdm(total=sum(s.nbytes for s in loaders.values()), unit="B", unit_scale=True, unit_divisor=1024,
-                   desc="to-dcp")
-    try:
+    with progress_bar(sum(s.nbytes for s in loaders.values()), "to-dcp", progress) as bar, \
+            staged_output(dst) as stage:
         # One file per tensor: DCP's writer keeps every tensor of a file alive until the file is done (it
         # gathers them for its safetensors format), so one file for all would hold the whole state. Two writer
         # threads: one reads and joins the next tensor while the other writes (measured 1.7x faster here).
@@ -253,13 +241,6 @@ def write_dcp(state: FullState, dst: str, layout_kind: str = "plain", *, progres
         files = sorted(os.listdir(stage))
         _fsync_files(stage, files)
         _seal(stage, os.path.basename(dst), files, layout_kind, state, source)
-        publish_output(stage, dst)
-    except BaseException:
-        shutil.rmtree(stage, ignore_errors=True)
-        raise
-    finally:
-        if bar is not None:
-            bar.close()
     total = sum(os.path.getsize(os.path.join(dst, f)) for f in files)
     return DcpResult(dst, layout_kind, len(state.model), state.optim is not None, total, files)
 

@@ -16,9 +16,7 @@ import fnmatch
 import json
 import os
 import re
-import shutil
 import struct
-import sys
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -26,9 +24,9 @@ import torch
 
 import xser
 
-from . import commit, layout, masters
+from . import layout, masters
 from .errors import CheckpointArgumentError, CheckpointError, CorruptCheckpointError
-from .outdir import check_output_dir, publish_output
+from .outdir import check_output_dir, progress_bar, staged_output
 from .partition import merge_tp
 from .storage import LocalStorage
 from .manifest import Manifest
@@ -460,17 +458,8 @@ def write_safetensors(model, dst: str, *, max_bytes: int, dtype: Optional[torch.
     groups = split_files(outs, max_bytes)
     n = len(groups)
     names = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
-    stage = dst + commit.STAGING_SUFFIX
-    shutil.rmtree(stage, ignore_errors=True)
-    os.makedirs(stage)
-    store = LocalStorage(stage)
-    show = sys.stderr.isatty() if progress is None else bool(progress)
-    bar = None
-    if show:
-        from tqdm import tqdm
-
-        bar = tqdm(total=sum(o.nbytes for o in outs), unit="B", unit_scale=True, unit_divisor=1024, desc="export")
-    try:
+    with progress_bar(sum(o.nbytes for o in outs), "export", progress) as bar, staged_output(dst) as stage:
+        store = LocalStorage(stage)
         for name, group in zip(names, groups):
             header = safetensors_header(group)
 
@@ -490,13 +479,6 @@ def write_safetensors(model, dst: str, *, max_bytes: int, dtype: Optional[torch.
                      "weight_map": {o.key: name for name, group in zip(names, groups) for o in group}}
             body = json.dumps(index, indent=2).encode()
             store.write_file("model.safetensors.index.json", lambda f: f.write(body))
-        publish_output(stage, dst)
-    except BaseException:
-        shutil.rmtree(stage, ignore_errors=True)
-        raise
-    finally:
-        if bar is not None:
-            bar.close()
     return names + (["model.safetensors.index.json"] if n > 1 else []), total
 
 

@@ -1,10 +1,15 @@
-"""Output directories of the offline tools that write a new tree (convert-zero1, export): the checks before
-anything is written, and the final move into place."""
+"""Output directories of the offline tools that write a new tree (convert-zero1, export, to-dcp, from-dcp,
+reshard): the checks before anything is written, the staging directory, the final move into place, and the
+byte-count progress bar shown while they write."""
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import sys
+from typing import Any, Iterator, Optional
 
+from .commit import STAGING_SUFFIX
 from .errors import CheckpointArgumentError
 from .layout import OLD_SUFFIX
 
@@ -33,6 +38,44 @@ def check_output_dir(input_dir: str, output_dir: str, *, flag: str, example: str
             raise CheckpointArgumentError(f"{flag} {output_dir} exists and is not empty; pass --overwrite to "
                                           "replace it, or choose a new directory")
     return dst
+
+
+@contextlib.contextmanager
+def staged_output(dst: str) -> Iterator[str]:
+    """Yield a fresh, empty staging directory beside ``dst`` to write the new tree into.
+
+    On normal exit the tree is published with ``publish_output`` (fsynced, then renamed over ``dst``); on any
+    exception (KeyboardInterrupt included) the staging directory is removed and ``dst`` is left as it was.
+    Single process; blocks for the fsyncs and renames.
+    """
+    stage = dst + STAGING_SUFFIX
+    shutil.rmtree(stage, ignore_errors=True)   # a leftover of an earlier interrupted run
+    os.makedirs(stage)
+    try:
+        yield stage
+        publish_output(stage, dst)
+    except BaseException:
+        shutil.rmtree(stage, ignore_errors=True)
+        raise
+
+
+@contextlib.contextmanager
+def progress_bar(total: int, desc: str, progress: Optional[bool]) -> Iterator[Optional[Any]]:
+    """Yield a tqdm byte bar of ``total`` bytes, or None when not shown; closed on exit.
+
+    ``progress=None`` shows it only when stderr is a terminal.
+    """
+    show = sys.stderr.isatty() if progress is None else bool(progress)
+    if not show:
+        yield None
+        return
+    from tqdm import tqdm
+
+    bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc)
+    try:
+        yield bar
+    finally:
+        bar.close()
 
 
 def publish_output(stage: str, dst: str) -> None:

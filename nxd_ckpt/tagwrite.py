@@ -13,8 +13,6 @@ own tensor file at once; ref files, which hold no tensor data, are written at th
 from __future__ import annotations
 
 import os
-import shutil
-import sys
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -22,11 +20,11 @@ import torch
 
 import xser
 
-from . import commit, layout
+from . import layout
 from . import manifest as manifest_mod
 from .errors import CheckpointArgumentError
 from .fullstate import ConversionError, FullState, ParamState
-from .outdir import publish_output
+from .outdir import progress_bar, staged_output
 from .partition import assign_stages, split_tp, tp_shard_shape, zero1_shard
 from .storage import FileRecord, LocalStorage
 
@@ -81,16 +79,11 @@ class _File:
 
 
 class _Writer:
-    def __init__(self, stage: str, total: int, progress: Optional[bool]):
+    def __init__(self, stage: str, bar):
         self.store = LocalStorage(stage)
         self.records: Dict[str, FileRecord] = {}
         self.tensors: Dict[str, Dict[str, dict]] = {}
-        show = sys.stderr.isatty() if progress is None else bool(progress)
-        self.bar = None
-        if show:
-            from tqdm import tqdm
-
-            self.bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="write tag")
+        self.bar = bar
 
     def tensor(self, f: _File, ref, t: torch.Tensor) -> None:
         rel = layout.tensor_path(f.rel, ref.tid)
@@ -135,14 +128,11 @@ def write_tag(state: FullState, dst: str, sizes: TagSizes, *, converted_from: di
               progress: Optional[bool] = None) -> TagResult:
     """Write ``state`` as the complete tag ``dst`` (checked with outdir.check_output_dir by the caller)."""
     stages = plan_check(state, sizes)
-    stage_dir = dst + commit.STAGING_SUFFIX
-    shutil.rmtree(stage_dir, ignore_errors=True)
-    os.makedirs(stage_dir)
     total = sum(t.nbytes for t in state.model)
     if state.optim is not None:
         total += sum(m.nbytes for ps in state.optim.params.values() for m in ps.moments.values())
-    w = _Writer(stage_dir, total, progress)
-    try:
+    with progress_bar(total, "write tag", progress) as bar, staged_output(dst) as stage_dir:
+        w = _Writer(stage_dir, bar)
         w.small(layout.CHECKPOINT_MARKER, lambda f: f.write(b"1"))
         models, optims = _skeletons(state, sizes, stages)
         for t in state.model:
@@ -154,13 +144,6 @@ def write_tag(state: FullState, dst: str, sizes: TagSizes, *, converted_from: di
                 w.small(name, lambda fo, obj=obj: torch.save(obj, fo))
         _fsync(stage_dir, list(w.records))
         _commit(w, os.path.basename(dst), sizes, state, converted_from, list(optims.values()))
-        publish_output(stage_dir, dst)
-    except BaseException:
-        shutil.rmtree(stage_dir, ignore_errors=True)
-        raise
-    finally:
-        if w.bar is not None:
-            w.bar.close()
     return TagResult(dst, sizes.tp, sizes.pp, sizes.dp, sizes.zero1, len(state.model), len(w.records),
                      sum(r.size for r in w.records.values()))
 

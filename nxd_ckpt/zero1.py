@@ -17,8 +17,6 @@ from __future__ import annotations
 import copy
 import multiprocessing
 import os
-import shutil
-import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -27,10 +25,10 @@ import torch
 
 import xser
 
-from . import commit, layout, masters
+from . import layout, masters
 from . import manifest as manifest_mod
 from .errors import CheckpointArgumentError, CheckpointError, CorruptCheckpointError
-from .outdir import check_output_dir, publish_output
+from .outdir import check_output_dir, progress_bar, staged_output
 from .partition import make_piece, piece_rows as _per, rows_tail as _rows_tail
 from .storage import FileRecord, LocalStorage
 from .storage.local import file_crc32c
@@ -479,32 +477,27 @@ def convert_zero1(input_dir: str, output_dir: str, *, to_full: bool = False, dp_
                                            f"unlike {reader.path(in_rels[0])}")
         groups.append(grp)
 
-    stage = dst + commit.STAGING_SUFFIX
-    shutil.rmtree(stage, ignore_errors=True)
-    os.makedirs(stage)
-    out = LocalStorage(stage)
     records: Dict[str, FileRecord] = {}
     optim_tensors: Dict[str, dict] = {}
     try:
-        if tag_mode:
-            out.write_file(layout.CHECKPOINT_MARKER, lambda f: f.write(b"1"))
-        ctx = _WorkerContext(in_root, manifest if xser_in else None, trusted, stage)
-        if xser_in:
-            _convert_xser(groups, g_in, full_in, g_out, to_full, ctx, reader, out, records, optim_tensors,
-                          num_workers, progress)
-        else:
-            _convert_plain(groups, g_in, full_in, g_out, to_full, ctx, records, optim_tensors, num_workers, progress)
-        _fsync_files(stage, [rel for rel in records])
-        written = list(records.values())
-        linked = copied = 0
-        if tag_mode:
-            linked, copied = _copy_rest(src, stage, manifest, records)
-            _write_manifest(out, os.path.basename(dst), manifest, src, groups, g_out, to_full, xser_in,
-                            records, optim_tensors)
-        publish_output(stage, dst)
-    except BaseException:
-        shutil.rmtree(stage, ignore_errors=True)
-        raise
+        with staged_output(dst) as stage:
+            out = LocalStorage(stage)
+            if tag_mode:
+                out.write_file(layout.CHECKPOINT_MARKER, lambda f: f.write(b"1"))
+            ctx = _WorkerContext(in_root, manifest if xser_in else None, trusted, stage)
+            if xser_in:
+                _convert_xser(groups, g_in, full_in, g_out, to_full, ctx, reader, out, records, optim_tensors,
+                              num_workers, progress)
+            else:
+                _convert_plain(groups, g_in, full_in, g_out, to_full, ctx, records, optim_tensors, num_workers,
+                               progress)
+            _fsync_files(stage, [rel for rel in records])
+            written = list(records.values())
+            linked = copied = 0
+            if tag_mode:
+                linked, copied = _copy_rest(src, stage, manifest, records)
+                _write_manifest(out, os.path.basename(dst), manifest, src, groups, g_out, to_full, xser_in,
+                                records, optim_tensors)
     finally:
         _BUFFERS.clear()
     nparams = sum(len(g.shape_info) for g in groups)
@@ -599,13 +592,7 @@ def _run_unit(unit: dict) -> List[tuple]:
 
 def _pool_map(fn, units: List, ctx: _WorkerContext, num_workers: int, progress, desc: str, weight):
     """Yield fn(unit) for each unit, in worker processes when num_workers > 1, with a tqdm bar on a tty."""
-    show = sys.stderr.isatty() if progress is None else bool(progress)
-    bar = None
-    if show:
-        from tqdm import tqdm
-
-        bar = tqdm(total=sum(weight(u) for u in units), unit="B", unit_scale=True, unit_divisor=1024, desc=desc)
-    try:
+    with progress_bar(sum(weight(u) for u in units), desc, progress) as bar:
         if num_workers <= 1 or len(units) <= 1:
             _init_worker_inline(ctx)
             # Copies of a few MB gain nothing from intra-op threads, and on a busy host they lose.
@@ -627,9 +614,6 @@ def _pool_map(fn, units: List, ctx: _WorkerContext, num_workers: int, progress, 
                     if bar is not None:
                         bar.update(weight(units[u]))
                     yield res
-    finally:
-        if bar is not None:
-            bar.close()
 
 
 def _init_worker_inline(ctx: _WorkerContext) -> None:

@@ -8,40 +8,25 @@ import json
 import math
 import os
 import shutil
-import sys
 
 import pytest
 import torch
+from demo_runs import run_demo
 from harness import run_ranks
 
 import xser
 from nxd_ckpt.partition import Partition, join_tp, split_tp, zero1_shard, zero1_unshard
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPTS = os.path.join(ROOT, "scripts")
 
 MODEL = ["--zero1", "--layers", "2", "--hidden", "32", "--heads", "4", "--ffn", "64",
          "--seq-len", "8", "--vocab", "32", "--total-steps", "4", "--ckpt-every", "2", "--log-every", "1",
          "--no-async", "--num-workers", "2"]
 
 
-def _demo_rank(rank, world, argv):
-    if SCRIPTS not in sys.path:
-        sys.path.insert(0, SCRIPTS)
-    import train_demo
-
-    train_demo.main(argv)
-    return True
-
-
 @pytest.fixture(scope="module")
 def source(tmp_path_factory):
     """4 steps at TP=2 x DP=2 (checkpoints step_2 and step_4): its losses of steps 3-4 are the reference."""
     d = tmp_path_factory.mktemp("reshard_src")
-    run_ranks(_demo_rank, 4, MODEL + ["--tp", "2", "--steps", "4", "--ckpt-dir", str(d / "ckpt"),
-                                      "--out", str(d / "ref.json")], timeout=240)
-    with open(d / "ref.json") as f:
-        return d, json.load(f)
+    return d, run_demo(MODEL + ["--tp", "2", "--steps", "4", "--ckpt-dir", str(d / "ckpt")], d / "ref.json")
 
 
 def _full_state(tag_dir):
@@ -81,10 +66,8 @@ def test_zero1_run_resumes_resharded(source, tmp_path, tp, pp):
     ckpt = tmp_path / "ckpt"
     shutil.copytree(src_dir / "ckpt" / "step_2", ckpt / "step_2")
     dump = tmp_path / "loaded"
-    run_ranks(_demo_rank, 4, MODEL + ["--tp", str(tp), "--pp", str(pp), "--steps", "4", "--ckpt-dir", str(ckpt),
-                                      "--out", str(tmp_path / "run.json"), "--dump-loaded", str(dump)], timeout=240)
-    with open(tmp_path / "run.json") as f:
-        run = json.load(f)
+    run = run_demo(MODEL + ["--tp", str(tp), "--pp", str(pp), "--steps", "4", "--ckpt-dir", str(ckpt),
+                            "--dump-loaded", str(dump)], tmp_path / "run.json")
     assert run["resumed_from"] == "step_2" and (run["tp"], run["pp"], run["dp"]) == (tp, pp, 4 // (tp * pp))
 
     model, optim, parts = _full_state(str(src_dir / "ckpt" / "step_2"))

@@ -5,38 +5,25 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 
 import pytest
 import torch
 
 import xser
+from demo_runs import run_demo, use_scripts
 from harness import run_ranks
 from tiny_models import assert_bit_equal
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPTS = os.path.join(ROOT, "scripts")
 SAVE_AT, STEPS = 3, 5
 MODEL = ["--layers", "1", "--hidden", "32", "--ffn", "64", "--seq-len", "16", "--total-steps", str(STEPS)]
 DEMO = ["--zero1", "--tp", "2", *MODEL, "--steps", str(STEPS), "--ckpt-every", str(SAVE_AT), "--log-every", "1"]
-
-
-def _xla_rank(rank, world, argv):
-    if SCRIPTS not in sys.path:
-        sys.path.insert(0, SCRIPTS)
-    import train_demo
-
-    train_demo.main(argv)
-    return True
 
 
 @pytest.fixture(scope="module")
 def xla_run(tmp_path_factory):
     """The demo at TP=2 x DP=2 with ZeRO-1 on XLA: saves step 3 (converted below) and trains on to step 5."""
     root = tmp_path_factory.mktemp("xla")
-    run_ranks(_xla_rank, 4, DEMO + ["--ckpt-dir", str(root / "ckpt"), "--out", str(root / "run.json")], timeout=240)
-    with open(root / "run.json") as f:
-        report = json.load(f)
+    report = run_demo(DEMO + ["--ckpt-dir", str(root / "ckpt")], root / "run.json")
     return root / "ckpt" / f"step_{SAVE_AT}", report
 
 
@@ -69,8 +56,7 @@ def full_reference(tag):
 def _native_rank(rank, world, dcp_dir, argv):
     """2 gloo ranks: FSDP2-sharded NativeLM + AdamW loaded from the DCP checkpoint; the full state after
     loading and the losses of the next steps (rank 0)."""
-    if SCRIPTS not in sys.path:
-        sys.path.insert(0, SCRIPTS)
+    use_scripts()
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                          get_optimizer_state_dict)
 
@@ -195,10 +181,9 @@ def test_reshard_offline_then_load_checkpoint_at_new_sizes(xla_run, tmp_path):
     assert main(["reshard", str(tag), str(ckpt / f"step_{SAVE_AT}"), "--tp", "1", "--dp", "4"]) == 0
     man = json.loads((ckpt / f"step_{SAVE_AT}" / "manifest.json").read_text())
     assert (man["topology"]["tp"], man["topology"]["dp"], man["zero1"]) == (1, 4, True)
-    run_ranks(_xla_rank, 4, ["--zero1", "--tp", "1", *MODEL, "--steps", str(SAVE_AT), "--ckpt-every", "0",
-                             "--ckpt-dir", str(ckpt), "--out", str(tmp_path / "r.json"),
-                             "--dump-final", str(tmp_path / "loaded")], timeout=240)
-    assert json.loads((tmp_path / "r.json").read_text())["resumed_from"] == f"step_{SAVE_AT}"
+    run = run_demo(["--zero1", "--tp", "1", *MODEL, "--steps", str(SAVE_AT), "--ckpt-every", "0",
+                    "--ckpt-dir", str(ckpt), "--dump-final", str(tmp_path / "loaded")], tmp_path / "r.json")
+    assert run["resumed_from"] == f"step_{SAVE_AT}"
     ref_model, ref_optim = full_reference(tag)
     names = list(ref_model)
     for r in range(4):
