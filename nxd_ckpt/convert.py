@@ -168,12 +168,19 @@ def _source_sizes(state: FullState, tagdir: str) -> TagSizes:
     return TagSizes(int(topo.get("tp") or 1), int(topo.get("pp") or 1), int(topo.get("dp") or 1), zero1)
 
 
+def _read_source_tag(args, flag: str, example: str) -> Tuple[str, str, FullState]:
+    """reshard's and to-dcp's input: SRC_TAG checked, the output directory checked (``flag`` and ``example``
+    name it in errors), then the tag read as full tensors. Returns (source tag, output dir, state)."""
+    src = check_tag_dir(args.src)
+    dst = check_output_dir(src, args.dst, flag=flag, example=example, overwrite=args.overwrite)
+    state = read_tag(src, partitions=args.partition, trusted=args.trusted, optimizer=not args.no_optimizer)
+    return src, dst, state
+
+
 def reshard(args) -> ConvertSummary:
     t0 = time.monotonic()
     return_freed_memory()
-    src = check_tag_dir(args.src)
-    dst = check_output_dir(src, args.dst, flag="DST_TAG", example="ckpts/step_1000_tp4", overwrite=args.overwrite)
-    state = read_tag(src, partitions=args.partition, trusted=args.trusted, optimizer=not args.no_optimizer)
+    src, dst, state = _read_source_tag(args, "DST_TAG", "ckpts/step_1000_tp4")
     before = _source_sizes(state, src)
     sizes = _sizes(args, TagSizes(before.tp, before.pp, before.dp, before.zero1 and state.optim is not None))
     plan_check(state, sizes)
@@ -186,9 +193,7 @@ def to_dcp(args) -> ConvertSummary:
 
     t0 = time.monotonic()
     return_freed_memory()
-    src = check_tag_dir(args.src)
-    dst = check_output_dir(src, args.dst, flag="OUT_DIR", example="dcp/step_1000", overwrite=args.overwrite)
-    state = read_tag(src, partitions=args.partition, trusted=args.trusted, optimizer=not args.no_optimizer)
+    src, dst, state = _read_source_tag(args, "OUT_DIR", "dcp/step_1000")
     res = write_dcp(state, dst, args.layout, source=src)
     return _finish("to-dcp", dst, t0, res)
 

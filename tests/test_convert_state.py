@@ -330,3 +330,24 @@ def test_damaged_input_is_refused_and_nothing_published(tmp_path, capsys):
     assert not os.path.exists(tmp_path / "d") and not os.path.exists(str(tmp_path / "d") + ".nxdtmp")
     assert main(["reshard", str(tmp_path / "a"), str(tmp_path / "r"), "--tp", "1"]) == 1
     assert not os.path.exists(tmp_path / "r") and not os.path.exists(str(tmp_path / "r") + ".nxdtmp")
+
+
+def test_staged_output_publishes_on_success_and_keeps_the_old_tree_on_failure(tmp_path):
+    from nxd_ckpt.outdir import staged_output
+
+    dst = tmp_path / "out"
+    dst.mkdir()
+    (dst / "old.txt").write_text("old")
+    (tmp_path / "out.nxdtmp").mkdir()   # a leftover staging directory of an interrupted run is replaced
+    (tmp_path / "out.nxdtmp" / "stale").write_text("x")
+    with pytest.raises(KeyboardInterrupt):
+        with staged_output(str(dst)) as stage:
+            assert stage == str(tmp_path / "out.nxdtmp") and os.listdir(stage) == []
+            (tmp_path / "out.nxdtmp" / "new.txt").write_text("new")
+            raise KeyboardInterrupt
+    assert sorted(os.listdir(tmp_path)) == ["out"] and os.listdir(dst) == ["old.txt"]
+    with staged_output(str(dst)) as stage:
+        with open(os.path.join(stage, "new.txt"), "w") as f:
+            f.write("new")
+        assert os.listdir(dst) == ["old.txt"]   # published only when the block ends
+    assert sorted(os.listdir(tmp_path)) == ["out"] and os.listdir(dst) == ["new.txt"]

@@ -272,6 +272,9 @@ def _ep_zero1_shard(full, dp, dp_size, ep_size=2):
 
 
 def _build_ep_zero1_tag(tagdir, dp_size, use_xser):
+    """An EP=2 NxD tag with a ZeRO-1 optimizer over ``dp_size`` ranks in the new directory ``tagdir``."""
+    for sub in ("model", "optim"):
+        os.makedirs(os.path.join(tagdir, sub))
     full = _full_params()
     for ep in range(2):
         name = layout.shard_filename(0, 0, 0, ep)
@@ -294,8 +297,6 @@ def test_convert_zero1_reshards_expert_parallel_state(tmp_path, use_xser, dp_out
     from nxd_ckpt.zero1 import convert_zero1
 
     src = str(tmp_path / "in")
-    os.makedirs(os.path.join(src, "model"))
-    os.makedirs(os.path.join(src, "optim"))
     full = _build_ep_zero1_tag(src, 4, use_xser)
     out = str(tmp_path / "out")
     convert_zero1(src, out, dp_size=dp_out)
@@ -331,8 +332,6 @@ def test_ep_zero1_converted_to_a_smaller_dp_loads(tmp_path):
     from nxd_ckpt.zero1 import convert_zero1
 
     src = str(tmp_path / "dp4")
-    os.makedirs(os.path.join(src, "model"))
-    os.makedirs(os.path.join(src, "optim"))
     _build_ep_zero1_tag(src, 4, True)
     root = str(tmp_path / "ckpt")
     convert_zero1(src, os.path.join(root, "dp2"), dp_size=2)
@@ -344,8 +343,6 @@ def test_convert_zero1_ep_refusals(tmp_path):
     from nxd_ckpt.zero1 import Zero1FormatError, convert_zero1
 
     src = str(tmp_path / "in")
-    os.makedirs(os.path.join(src, "model"))
-    os.makedirs(os.path.join(src, "optim"))
     _build_ep_zero1_tag(src, 4, True)
     out = str(tmp_path / "out")
     with pytest.raises(CheckpointArgumentError, match="new DP size 3 is not a multiple of EP=2"):

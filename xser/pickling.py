@@ -9,6 +9,7 @@ that would import or call anything else raises ``UnsafeCheckpointError`` before 
 """
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import pickle
@@ -109,7 +110,7 @@ def load_pickle(src, *, trusted: bool = False, name: Optional[str] = None, map_l
     label = name or describe(src)
     if isinstance(src, (str, bytes, os.PathLike)):
         check_file(os.fsdecode(src))
-    try:
+    with _load_errors(label, trusted):
         if trusted:
             return torch.load(src, map_location=map_location, weights_only=False, pickle_module=REF_PICKLE,
                               mmap=mmap)
@@ -117,6 +118,13 @@ def load_pickle(src, *, trusted: bool = False, name: Optional[str] = None, map_l
         # other threads. Allowlisting this plain data class for the whole process is harmless.
         torch.serialization.add_safe_globals(_SAFE_ENTRIES)
         return torch.load(src, map_location=map_location, weights_only=True, mmap=mmap)
+
+
+@contextlib.contextmanager
+def _load_errors(label: str, trusted: bool):
+    """Turn what torch.load (or its zip loader) raises for the file ``label`` into the matching XserError."""
+    try:
+        yield
     except XserError:
         raise
     except IsADirectoryError as exc:
@@ -186,23 +194,12 @@ def load_pickle_in_place(buffer: torch.Tensor, *, trusted: bool = False, name: O
         src.seek(0)
         return load_pickle(src, trusted=trusted, name=label)
     src.seek(0)
-    try:
-        with ser._open_zipfile_reader(src) as zf:
-            whole = buffer.untyped_storage()
-            if trusted:
-                return ser._load(zf, "cpu", REF_PICKLE, overall_storage=whole)
-            torch.serialization.add_safe_globals(_SAFE_ENTRIES)
-            return ser._load(zf, "cpu", torch._weights_only_unpickler, overall_storage=whole)
-    except XserError:
-        raise
-    except pickle.UnpicklingError as exc:
-        raise _classify(str(exc), label, trusted) from exc
-    except ImportError as exc:
-        raise XserError(f"{label} needs module {exc.name!r} to be unpickled; install it, or load the file "
-                        f"where it is installed", path=label) from exc
-    except (RuntimeError, EOFError, ValueError, TypeError, KeyError, IndexError, AttributeError,
-            zipfile.BadZipFile, pickle.PickleError) as exc:
-        raise _corrupt(label, _short(exc)) from exc
+    with _load_errors(label, trusted), ser._open_zipfile_reader(src) as zf:
+        whole = buffer.untyped_storage()
+        if trusted:
+            return ser._load(zf, "cpu", REF_PICKLE, overall_storage=whole)
+        torch.serialization.add_safe_globals(_SAFE_ENTRIES)
+        return ser._load(zf, "cpu", torch._weights_only_unpickler, overall_storage=whole)
 
 
 class ViewReader(io.RawIOBase):
