@@ -93,7 +93,8 @@ class S3Bucket(Bucket):
 
     # --- retries ------------------------------------------------------------------------------------
     def call(self, op: str, key: str, fn: Optional[Callable] = None, **kw):
-        """``client.<op>(Bucket=..., **kw)`` (or ``fn(Bucket=..., **kw)``) with retries until the deadline."""
+        """``client.<op>(Bucket=..., **kw)`` (or ``fn(client, Bucket=..., **kw)``) with retries until the deadline
+        (this view's, else ``timeout_s`` from now), on a client whose socket timeouts fit in the time left."""
         from botocore.exceptions import ClientError
 
         deadline = self.deadline if self.deadline is not None else time.monotonic() + self.timeout_s
