@@ -10,10 +10,9 @@ import subprocess
 import sys
 
 import pytest
+from demo_runs import SCRIPTS, demo_rank
 from harness import run_ranks
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPTS = os.path.join(ROOT, "scripts")
 LAUNCH = os.path.join(SCRIPTS, "launch_multinode.sh")
 
 STEPS, EVERY, CRASH_AT = 6, 2, 4
@@ -38,16 +37,6 @@ def _launch(ckpt_dir, out, extra, timeout=150):
             output, _ = proc.communicate()
         pytest.fail(f"launch_multinode.sh did not finish within {timeout}s:\n{output[-4000:]}")
     return proc.returncode, output
-
-
-def _reference_rank(rank, world, argv):
-    """train_demo.main in a run_ranks process (gloo already initialized; torch_xla already imported)."""
-    if SCRIPTS not in sys.path:
-        sys.path.insert(0, SCRIPTS)
-    import train_demo
-
-    train_demo.main(argv)
-    return True
 
 
 def _load(path):
@@ -85,7 +74,7 @@ def test_multinode_crash_resume_is_bit_exact(tmp_path):
 
     # 3. the same training uninterrupted (4 ranks on one "node"), compared bit for bit
     ref_dir = tmp_path / "ref"
-    run_ranks(_reference_rank, 4, MODEL + ["--steps", str(STEPS), "--ckpt-dir", str(ref_dir),
+    run_ranks(demo_rank, 4, MODEL + ["--steps", str(STEPS), "--ckpt-dir", str(ref_dir),
                                            "--out", str(tmp_path / "ref.json"),
                                            "--dump-final", str(tmp_path / "reference")], timeout=150)
     ref = _load(tmp_path / "ref.json")
@@ -109,16 +98,16 @@ def test_pipeline_stages_save_resume_and_export(tmp_path):
     """TP=2 x PP=2 on 4 ranks: each stage writes its own pp_rank file, a resumed run ends bit for bit where
     an uninterrupted one does, and export joins the stages into the full model's keys."""
     ckpt, ref_dir = tmp_path / "ckpt", tmp_path / "ref"
-    run_ranks(_reference_rank, 4, PP_MODEL + ["--steps", "2", "--ckpt-dir", str(ckpt)], timeout=150)
+    run_ranks(demo_rank, 4, PP_MODEL + ["--steps", "2", "--ckpt-dir", str(ckpt)], timeout=150)
     model_files = sorted(os.listdir(ckpt / "step_2" / "model"))
     assert [f for f in model_files if f.endswith(".pt") and ".pt." not in f] == [
         f"dp_rank_00_tp_rank_{t:02d}_pp_rank_{p:02d}.pt" for t in range(2) for p in range(2)]
-    run_ranks(_reference_rank, 4, PP_MODEL + ["--steps", "4", "--ckpt-dir", str(ckpt), "--out",
+    run_ranks(demo_rank, 4, PP_MODEL + ["--steps", "4", "--ckpt-dir", str(ckpt), "--out",
                                               str(tmp_path / "b.json"), "--dump-final", str(tmp_path / "resumed")],
               timeout=150)
     b = _load(tmp_path / "b.json")
     assert b["resumed_from"] == "step_2" and b["pp"] == 2 and sorted(b["losses"], key=int) == ["3", "4"]
-    run_ranks(_reference_rank, 4, PP_MODEL + ["--steps", "4", "--ckpt-dir", str(ref_dir), "--out",
+    run_ranks(demo_rank, 4, PP_MODEL + ["--steps", "4", "--ckpt-dir", str(ref_dir), "--out",
                                               str(tmp_path / "ref.json"), "--dump-final", str(tmp_path / "reference")],
               timeout=150)
     ref = _load(tmp_path / "ref.json")

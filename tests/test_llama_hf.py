@@ -4,30 +4,19 @@ same logits as the demo model itself on the same tokens."""
 from __future__ import annotations
 
 import json
-import os
-import sys
 
 import pytest
 import torch
+from demo_runs import demo_rank, use_scripts
 from harness import run_ranks
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPTS = os.path.join(ROOT, "scripts")
-if SCRIPTS not in sys.path:
-    sys.path.insert(0, SCRIPTS)
+use_scripts()
 
 transformers = pytest.importorskip("transformers")
 
 # Grouped-query attention (4 heads, 2 KV heads) so the KV projections' split is exercised too.
 MODEL = ["--zero1", "--tp", "2", "--layers", "2", "--hidden", "32", "--heads", "4", "--kv-heads", "2", "--ffn", "64",
          "--seq-len", "16", "--vocab", "48", "--steps", "2", "--ckpt-every", "2", "--log-every", "1", "--no-async"]
-
-
-def _demo_rank(rank, world, argv):
-    import train_demo
-
-    train_demo.main(argv)
-    return True
 
 
 @pytest.mark.slow
@@ -39,7 +28,7 @@ def test_export_of_tp2_demo_checkpoint_loads_in_transformers_with_equal_logits(t
 
     ckpt, hf, dump = tmp_path / "ckpt", tmp_path / "hf", tmp_path / "logits.pt"
     argv = MODEL + ["--ckpt-dir", str(ckpt), "--dump-logits", str(dump)]
-    run_ranks(_demo_rank, 2, argv, timeout=150)
+    run_ranks(demo_rank, 2, argv, timeout=150)
     assert main(["export", str(ckpt / "step_2"), "--output", str(hf)]) == 0
     with open(hf / "config.json", "w") as f:
         json.dump(train_demo.llama_config(train_demo.parse_args(argv)), f)
@@ -77,7 +66,7 @@ def test_import_of_save_pretrained_checkpoint_gives_the_demo_the_same_logits(tmp
                  "--preset", "llama"]) == 0
     for sizes in (["--tp", "2"], ["--tp", "1", "--pp", "2"]):
         dump = tmp_path / f"logits{'_'.join(sizes)}.pt"
-        run_ranks(_demo_rank, 2, argv + sizes + ["--steps", "0", "--ckpt-every", "0", "--no-resume",
+        run_ranks(demo_rank, 2, argv + sizes + ["--steps", "0", "--ckpt-every", "0", "--no-resume",
                                                  "--ckpt-dir", str(tmp_path / "unused"),
                                                  "--init-model", str(tmp_path / "imported" / "tag"),
                                                  "--dump-logits", str(dump)], timeout=150)
