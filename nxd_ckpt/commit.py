@@ -280,14 +280,18 @@ def _dir_mtime(storage: Storage, name: str) -> float:
 
 def _is_tag_dir(storage: Storage, name: str) -> bool:
     """True for what retention may delete: ours (a manifest) or NxD's (`checkpoint` + model/ or optim/). On
-    an object store also a prefix holding nothing but `checkpoint`: a delete (or a save) interrupted after
-    everything else went (before anything else came)."""
+    an object store also a prefix holding `checkpoint` and nothing but rank 0's small files: a save
+    interrupted before any shard arrived, or a delete interrupted after every shard went."""
     if storage.exists(f"{name}/{layout.MANIFEST_FILE}"):
         return True
     if not storage.exists(f"{name}/{layout.CHECKPOINT_MARKER}"):
         return False
     return _has_state_dirs(storage, name) or (not storage.caps.rename
-                                              and storage.listdir(name) == [layout.CHECKPOINT_MARKER])
+                                              and set(storage.listdir(name)) <= _ROOT_WRITTEN)
+
+
+# What global rank 0 writes at the top of a tag besides the shards (NxD's files and ours).
+_ROOT_WRITTEN = {layout.CHECKPOINT_MARKER, layout.SCHEDULER_FILE, layout.USER_CONTENT_FILE}
 
 
 def _has_state_dirs(storage: Storage, name: str) -> bool:

@@ -189,3 +189,22 @@ def test_multirank_async_save_and_load_on_shared_object_store(tmp_path):
     model = {k.split("/", 2)[2] for k in keys if k.startswith("step_2/model/") and ".tensors/" not in k}
     assert model == {f"dp_rank_00_tp_rank_{t:02d}_pp_rank_00.pt{s}" for t in (0, 1) for s in ("", ".info.pt")}
     assert {"newest", "step_2/done", "step_2/manifest.json", "step_2/checkpoint"} <= keys
+
+
+@pytest.mark.parametrize("left", [["checkpoint"], ["checkpoint", "scheduler.pt"],
+                                  ["checkpoint", "scheduler.pt", "user_content.pt"]])
+def test_save_interrupted_before_any_shard_is_debris_the_next_save_removes(saved, left):
+    """A save killed after rank 0 wrote its marker and small files but before any rank's model/optim object
+    arrived leaves a prefix with no model/ or optim/: it is still an interrupted save, removed by the next
+    successful save. A prefix holding anything else beside `checkpoint` is not ours and stays."""
+    import nxd_ckpt
+
+    url, _ = saved
+    s = _store(url)
+    for name in left:
+        s.write_bytes(f"c/{name}", b"1")
+    for name in ("checkpoint", "notes.txt"):
+        s.write_bytes(f"not_a_tag/{name}", b"1")
+    nxd_ckpt.save_checkpoint(url, "d", use_xser=True, model=TinyShard(seed_offset=3))
+    assert sorted(s.listdir("")) == ["a", "b", "d", "newest", "not_a_tag"]
+    assert sorted(s.listdir("not_a_tag")) == ["checkpoint", "notes.txt"]
