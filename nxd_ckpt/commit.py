@@ -9,6 +9,7 @@ tag, plus at worst debris that the next successful save deletes.
 from __future__ import annotations
 
 import logging
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Dict, Iterable, List, Optional, Set, Tuple
 
@@ -30,7 +31,7 @@ class CommitConflictError(RuntimeError):
     """Another job committed the same tag while this one was saving it."""
 
 
-class CommitStrategy:
+class CommitStrategy(ABC):
     """How a save becomes complete, and what a crash at any point leaves behind.
 
     Every rank writes its files under ``workdir(tag)``; rank 0 calls ``prepare`` before any rank writes
@@ -39,14 +40,17 @@ class CommitStrategy:
 
     name = ""
 
+    @abstractmethod
     def workdir(self, tag: str) -> str:
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def prepare(self, storage: Storage, tag: str, busy: Iterable[str] = ()) -> None:
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def publish(self, storage: Storage, tag: str, manifest: Manifest) -> None:
-        raise NotImplementedError
+        ...
 
     def abandon(self, storage: Storage, tag: str) -> None:
         """Rank 0 after a failed save: remove what it wrote (never a complete tag)."""

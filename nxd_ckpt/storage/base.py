@@ -221,6 +221,6 @@ class Storage(ABC):
         """A filesystem path for the key when the backend is local (for memory-mapped reads), else None."""
         return None
 
+    @abstractmethod
     def child(self, relpath: str) -> "Storage":
         """The same backend rooted at ``relpath`` under this root."""
-        raise NotImplementedError
