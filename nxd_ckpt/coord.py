@@ -33,14 +33,19 @@ class Coordinator:
         self.store.set(self._key(name), json.dumps(value))
 
     def wait_for(self, name: str, what: str, owner: int) -> dict:
-        """Wait for ``name`` to be published; raise RankFailureError naming ``owner`` on timeout."""
+        """Wait for ``name`` to be published; raise RankFailureError naming ``owner`` on timeout.
+
+        The owner's own work is bounded by ``timeout_s`` (its storage deadline), after which it publishes
+        its failure; waiting a grace beyond that lets this rank raise the owner's real cause rather than
+        racing it with a bare "hung or dead"."""
         key = self._key(name)
-        if not self._wait_keys([key], self.timeout_s):
+        waited = self.timeout_s + min(self.timeout_s, 60.0)
+        if not self._wait_keys([key], waited):
             raise RankFailureError(
-                f"rank {self.rank} waited {self.timeout_s:.0f}s for {what} from rank {owner}, which is hung or "
+                f"rank {self.rank} waited {waited:.0f}s for {what} from rank {owner}, which is hung or "
                 f"dead; the checkpoint is not marked complete and earlier ones are intact. Check rank {owner}'s log; "
                 "on restart load_checkpoint(tag=None) resumes from the newest complete checkpoint",
-                {owner: f"no {what} within {self.timeout_s:.0f}s (hung or dead)"},
+                {owner: f"no {what} within {waited:.0f}s (hung or dead)"},
             )
         return json.loads(self.store.get(key))
 

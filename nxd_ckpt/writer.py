@@ -189,8 +189,8 @@ def _prepare(job: SaveJob, staging: str, runner: SaveRunner) -> None:
             _drain(job, runner.budget)
             raise RankFailureError(
                 f"checkpoint {job.tag!r} was not saved: rank 0 could not create {staging} in "
-                f"{getattr(job.storage, 'root', '')}: {error}. Fix the directory (space, permissions) and save "
-                "again; earlier checkpoints are intact.", {0: error}) from exc
+                f"{job.storage.root}: {error}. Fix {job.storage.fix_hint} and save again; earlier checkpoints "
+                "are intact.", {0: error}) from exc
     else:
         try:
             state = coord.wait_for("prepared", "the staging directory", owner=0)
@@ -201,8 +201,7 @@ def _prepare(job: SaveJob, staging: str, runner: SaveRunner) -> None:
             _drain(job, runner.budget)
             raise RankFailureError(
                 f"checkpoint {job.tag!r} was not saved: rank 0 could not create its staging directory: "
-                f"{state['error']}. Fix the directory (space, permissions) and save again; earlier checkpoints "
-                "are intact.", {0: state["error"]})
+                f"{state['error']}. Fix {job.storage.fix_hint} and save again; earlier checkpoints are intact.", {0: state["error"]})
 
 
 def _write_all(job: SaveJob, runner: SaveRunner, staging: str):

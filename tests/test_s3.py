@@ -195,6 +195,7 @@ def test_server_that_stops_answering_fails_both_ranks(fault_proxy):
     messages = "\n".join(o[1] for o in out)
     assert all("S3Error: S3 " in o[1] and url.split("/")[2] in o[1] for o in out), messages
     assert "rank 0 could not create its staging directory" in out[1][1], messages
+    assert all("Fix the bucket access" in o[1] for o in out), messages
     # Rank 0's S3 layer retried until the save-wide deadline and started no request after it.
     last_attempt, deadline = out[0][2], out[0][3]
     assert last_attempt is not None and last_attempt < deadline, out

@@ -114,6 +114,8 @@ class Storage(ABC):
 
     caps: Capabilities
     root: str   # what messages show: a path or URL
+    #: what to check when a write fails, for error messages ("Fix <fix_hint> and save again")
+    fix_hint = "the storage"
 
     # --- the verbs a backend implements ---------------------------------------------------------------
     @abstractmethod

@@ -73,6 +73,7 @@ class _FileSink(Sink):
 
 class LocalStorage(Storage):
     caps = Capabilities(rename=True, exchange=True, needs_sync=True, local=True, create_exclusive=True)
+    fix_hint = "the directory (free space, permissions)"
 
     def __init__(self, root: str):
         self.root = os.path.abspath(root)

@@ -70,6 +70,7 @@ class _BufferSink(Sink):
 
 class ObjectStorage(Storage):
     caps = Capabilities(rename=False, create_exclusive=True)
+    fix_hint = "the bucket access (credentials, permissions, endpoint, network)"
 
     def __init__(self, bucket: Bucket, prefix: str, url: str):
         self.bucket = bucket
