@@ -23,6 +23,7 @@ from .errors import (CheckpointNotFoundError, CorruptCheckpointError, Incomplete
 from .plan import home_filename, model_filename, optim_filename, replica_groups
 from .reader import ALL, FileReader, read_shard, resolve, share_shard
 from .storage import Storage
+from .storage.s3 import S3Error
 from .world import World
 
 log = logging.getLogger("nxd_ckpt")
@@ -156,6 +157,11 @@ def _status(error: Optional[BaseException]):
 def _recreate(rank: int, status) -> errors.CheckpointError:
     """Another rank's error, re-created here with its class (CheckpointError when it is not one of ours)."""
     cls_name, msg, path, expected, found = status
+    if cls_name == S3Error.__name__:
+        # That rank's requests to the object store failed for good (its own load raises RankFailureError for
+        # it in api.py): the same class here, so every rank raises a rank failure, not a bare CheckpointError.
+        return errors.RankFailureError(f"rank {rank} could not read the checkpoint: {msg}. Nothing was changed on "
+                                       "this rank", {rank: msg})
     cls = getattr(errors, cls_name, None)
     if not (isinstance(cls, type) and issubclass(cls, errors.CheckpointError)):
         cls = errors.CheckpointError

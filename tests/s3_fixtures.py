@@ -63,7 +63,8 @@ class FaultProxy:
     - ``slowdown(n)``: the next n requests get 503 SlowDown;
     - ``reset_uploads(n)``: the next n requests with a body over 1 KiB are cut (TCP RST) half-way through
       their body;
-    - ``blackhole(True)``: requests are read and never answered (a server that stops answering).
+    - ``blackhole(True)``: requests are read and never answered (a server that stops answering);
+      ``blackhole(True, only=b".tensors/")``: only requests whose request line contains those bytes.
     """
 
     def __init__(self, upstream: str):
@@ -76,6 +77,7 @@ class FaultProxy:
         self.lock = threading.Lock()
         self.to_slow = self.to_reset = 0
         self.hole = False
+        self.hole_only: Optional[bytes] = None
         self.injected = {"slowdown": 0, "reset": 0, "blackholed": 0}
         self.forwarded = 0
         self._stop = threading.Event()
@@ -89,9 +91,10 @@ class FaultProxy:
         with self.lock:
             self.to_reset = n
 
-    def blackhole(self, on: bool) -> None:
+    def blackhole(self, on: bool, only: Optional[bytes] = None) -> None:
         with self.lock:
             self.hole = on
+            self.hole_only = only
 
     def close(self) -> None:
         self._stop.set()
@@ -112,7 +115,8 @@ class FaultProxy:
                 return
             length = _content_length(head)
             with self.lock:
-                fault = ("blackhole" if self.hole else "slowdown" if self.to_slow > 0
+                hole = self.hole and (self.hole_only is None or self.hole_only in head.split(b"\r\n", 1)[0])
+                fault = ("blackhole" if hole else "slowdown" if self.to_slow > 0
                          else "reset" if self.to_reset > 0 and length > 1024 else None)
                 if fault == "slowdown":
                     self.to_slow -= 1

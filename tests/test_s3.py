@@ -207,6 +207,48 @@ def test_server_that_stops_answering_fails_both_ranks(fault_proxy):
     assert not open_storage(url).isfile("stuck/done")
 
 
+def _stuck_load_rank(rank, world, url, tag, timeout_s):
+    import nxd_ckpt
+    import parallel_state as ps
+
+    ps.initialize_model_parallel(tensor_model_parallel_size=1)
+    try:
+        nxd_ckpt.load_checkpoint(url, tag, model=TinyShard(seed_offset=2), timeout_s=timeout_s)
+    except nxd_ckpt.RankFailureError as exc:
+        return ("RankFailureError", str(exc)) + _last_attempt_vs_deadline()
+    return ("loaded", "") + _last_attempt_vs_deadline()
+
+
+@pytest.mark.parametrize("tag,only", [(None, None), ("good", b"tensor_0.pt")], ids=["at-listing", "one-reader"])
+def test_server_that_stops_answering_fails_a_two_rank_load_on_both_ranks(fault_proxy, tag, only):
+    """Two ranks load (DP=2: each tensor file is read by one replica and broadcast) from a server that stops
+    answering: from the first request, or for the one file only rank 0 reads (rank 1
+    has its files and waits for rank 0). Each rank raises RankFailureError carrying the S3 cause (none
+    hangs: run_ranks fails on a rank that does not return; rank 1 raises rank 0's cause, not a bare
+    CheckpointError), and no rank's S3 layer starts a request after its load's deadline."""
+    import nxd_ckpt
+    from s3_fixtures import S3_ENV
+
+    proxy, url = fault_proxy
+    nxd_ckpt.save_checkpoint(url, "good", use_xser=True, model=TinyShard())
+    proxy.blackhole(True, only)
+    out = run_ranks(_stuck_load_rank, 2, url, tag, 3, timeout=120,
+                    env={**S3_ENV, "AWS_ENDPOINT_URL_S3": proxy.endpoint})
+    messages = "\n".join(o[1] for o in out)
+    assert [o[0] for o in out] == ["RankFailureError"] * 2, out
+    assert all("S3 " in o[1] and url.split("/")[2] in o[1] for o in out), messages
+    assert all("Nothing was changed on this rank" in o[1] for o in out), messages
+    if only == b"tensor_0.pt":
+        assert "tensor_0.pt" in out[0][1] and "rank 0 could not read the checkpoint" in out[1][1], messages
+    last_attempt, deadline = out[0][2], out[0][3]
+    assert last_attempt is not None and last_attempt < deadline, out
+    for last_attempt, deadline in (o[2:] for o in out[1:]):
+        assert last_attempt is None or last_attempt < deadline, out
+    assert proxy.injected["blackholed"] > 0
+    proxy.blackhole(False)
+    assert nxd_ckpt.list_checkpoints(url) == ["good"]
+
+
 def test_nxd_ckpt_verify_reads_s3_and_catches_a_flipped_byte(s3_url, moto_endpoint, capsys):
     """`nxd-ckpt verify s3://...` re-reads every object through the object-store Storage: intact tags
     pass, one flipped byte is named with the checksum mismatch and the exit code is 1."""
