@@ -303,17 +303,15 @@ class _DcpReader:
 
     def _check_files(self) -> None:
         """Against our manifest when the directory has one (written by to-dcp)."""
-        from .verify import load_manifest_file
+        from .manifest import read as read_manifest
+        from .reader import FileReader
 
-        man = load_manifest_file(self.path)
+        man = read_manifest(self.path)
         if man is None:
             return
-        for rel, entry in man.files.items():
-            full = os.path.join(self.path, rel)
-            if not os.path.isfile(full):
-                raise CorruptCheckpointError(f"{full} is missing", path=full)
-            size, crc = file_crc32c(full)
-            entry.check(size, crc, full)
+        reader = FileReader.at(self.path, man)
+        for rel in man.files:
+            reader.check_file(rel)
 
     def is_tensor(self, key: str) -> bool:
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata

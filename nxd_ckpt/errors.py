@@ -1,6 +1,8 @@
 """Every error nxd-ckpt raises on purpose. All derive from CheckpointError; messages say what to do next."""
 from __future__ import annotations
 
+from xser.errors import UnsafeCheckpointError as _XserUnsafe
+
 
 class CheckpointError(Exception):
     """Base class of nxd-ckpt's errors."""
@@ -29,9 +31,10 @@ class CorruptCheckpointError(CheckpointError):
         self.found = found
 
 
-class UnsafeCheckpointError(CheckpointError):
+class UnsafeCheckpointError(CheckpointError, _XserUnsafe):
     """A pickle in the checkpoint needs code outside the safe allowlist; load it only if the files are
-    trusted (``trusted=True``)."""
+    trusted (``trusted=True``). Also an ``xser.UnsafeCheckpointError``: the reader raises this one class
+    whichever layer refused the pickle."""
 
 
 class TopologyMismatchError(CheckpointError):

@@ -30,7 +30,8 @@ from .outdir import check_output_dir, progress_bar, staged_output
 from .partition import merge_tp
 from .storage import LocalStorage
 from .manifest import Manifest
-from .verify import CheckedReader, load_manifest_file
+from .manifest import read as read_manifest
+from .reader import FileReader
 
 
 class ExportError(CheckpointError, ValueError):
@@ -152,10 +153,10 @@ def _flatten(obj, prefix="", out=None, skipped=None):
 
 
 class _Shard:
-    def __init__(self, reader: CheckedReader, rel: str, manifest: Optional[Manifest], xser_folder: bool):
+    def __init__(self, reader: FileReader, rel: str, manifest: Optional[Manifest], xser_folder: bool):
         self.reader, self.rel = reader, rel
         self.xser = xser_folder
-        data = reader.refs(rel) if xser_folder else reader.plain(rel, mmap=True)
+        data = reader.load_pickle(rel) if xser_folder else reader.plain(rel, mmap=True)
         self.flat, self.skipped = _flatten(data)
         self.info = (reader.info(rel) or {}) if xser_folder else {}
         self.meta = {}
@@ -187,23 +188,23 @@ class _Shard:
         return Leaf(self.rel, ref, dtype, shape, part)
 
     def _peek(self, tid: int) -> torch.Tensor:
-        path = self.reader.path(layout.tensor_path(self.rel, tid))
+        path = self.reader.where(layout.tensor_path(self.rel, tid))
         try:
             return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
         except Exception:  # noqa: BLE001 - fall back to a full, checked read
-            return self.reader.tensor(layout.tensor_path(self.rel, tid))
+            return self.reader.load_tensor(layout.tensor_path(self.rel, tid))
 
     def load(self, leaf: Leaf) -> torch.Tensor:
         if xser.is_ref(leaf.ref) and self.masters is not None and leaf.ref.tid in self.masters.index:
             t = self.masters.tensor(leaf.ref.tid).to(leaf.dtype)
         elif xser.is_ref(leaf.ref):
-            t = self.reader.tensor(layout.tensor_path(self.rel, leaf.ref.tid))
+            t = self.reader.load_tensor(layout.tensor_path(self.rel, leaf.ref.tid))
         else:
             t = leaf.ref
         if t.dtype != leaf.dtype or tuple(t.shape) != leaf.shape:
             raise CorruptCheckpointError(
-                f"{self.reader.path(self.rel)}: a tensor is {t.dtype} {tuple(t.shape)}, its metadata says "
-                f"{leaf.dtype} {leaf.shape}", path=self.reader.path(self.rel))
+                f"{self.reader.where(self.rel)}: a tensor is {t.dtype} {tuple(t.shape)}, its metadata says "
+                f"{leaf.dtype} {leaf.shape}", path=self.reader.where(self.rel))
         return t
 
 
@@ -211,7 +212,7 @@ class _Masters:
     """The tensors of one (tp, pp) model shard that lie in the ZeRO-1 master weights
     (avoid_saving_lower_precision_weights), joined from the DP shards on demand."""
 
-    def __init__(self, reader: CheckedReader, tagdir: str, shard: "_Shard", tp: int, pp: int):
+    def __init__(self, reader: FileReader, tagdir: str, shard: "_Shard", tp: int, pp: int):
         folder = os.path.join(tagdir, layout.OPTIM_DIR)
         names = sorted((s.dp, n) for s, n in layout.list_shard_files(folder).items()
                        if s.tp == tp and s.pp == pp and s.ep is None)
@@ -220,10 +221,10 @@ class _Masters:
                               f"for tp rank {tp}, pp rank {pp}")
         self.reader = reader
         self.files = [f"{layout.OPTIM_DIR}/{n}" for _, n in names]
-        refs = [reader.refs(f) for f in self.files]
+        refs = [reader.load_pickle(f) for f in self.files]
         for f, r in zip(self.files, refs):
             if masters.MASTERS not in r:
-                raise ExportError(f"{reader.path(f)} has no sharded_master_weights, which hold this tag's model "
+                raise ExportError(f"{reader.where(f)} has no sharded_master_weights, which hold this tag's model "
                                   "weights")
         self.refs = [r[masters.MASTERS] for r in refs]
         self.shape_info = refs[0]["shape_info"]
@@ -237,7 +238,7 @@ class _Masters:
         keys_shapes = [(k, tuple(shard.info[r.tid]["shape"])) for k, r in shard.flat.items() if xser.is_ref(r)]
         by_key = masters.keys_by_order(keys_shapes, self.shape_info, self.group_sizes)
         if by_key is None:
-            raise ExportError(f"{self.reader.path(shard.rel)}: the model's weights are kept as ZeRO-1 master weights "
+            raise ExportError(f"{self.reader.where(shard.rel)}: the model's weights are kept as ZeRO-1 master weights "
                               "and which key each belongs to is not recorded (a neuronx-distributed checkpoint whose "
                               "model tensors are not exactly the optimizer's parameters in order); load it with "
                               "load_checkpoint(model=<the nn.Module>, optimizer=<the ZeRO-1 optimizer>) instead")
@@ -245,7 +246,7 @@ class _Masters:
 
     def tensor(self, tid: int) -> torch.Tensor:
         i = self.index[tid]
-        parts = [self.reader.tensor(layout.tensor_path(f, r[i].tid)) if xser.is_ref(r[i]) else r[i]
+        parts = [self.reader.load_tensor(layout.tensor_path(f, r[i].tid)) if xser.is_ref(r[i]) else r[i]
                  for f, r in zip(self.files, self.refs)]
         return masters.join_shards(parts, self.shape_info[i])
 
@@ -257,8 +258,8 @@ def plan_export(tagdir: str, partitions: Sequence[Tuple[str, int, int]] = (), dt
     folder = os.path.join(tagdir, layout.MODEL_DIR)
     if not os.path.isdir(folder):
         raise ExportError(f"{tagdir} has no model/ folder: the checkpoint was saved without a model")
-    manifest = load_manifest_file(tagdir)
-    reader = CheckedReader(tagdir, manifest, trusted)
+    manifest = read_manifest(tagdir)
+    reader = FileReader.at(tagdir, manifest, trusted)
     names = layout.list_shard_files(folder)
     if any(s.ep is not None for s in names):
         raise ExportError(f"{folder} holds expert-parallel shards (ep_rank in the names); exporting them is not "

@@ -25,7 +25,8 @@ import xser
 from . import layout
 from .errors import CheckpointArgumentError, CheckpointError, CorruptCheckpointError
 from .partition import Partition, assemble_zero1, copy_into_blocks, tp_block_views
-from .verify import CheckedReader, load_manifest_file
+from .manifest import read as read_manifest
+from .reader import FileReader
 
 
 
@@ -140,8 +141,8 @@ def read_tag(tagdir: str, *, partitions: Sequence[str] = (), trusted: bool = Fal
     from .export import _materialise, parse_partition, plan_export
 
     tagdir = check_tag_dir(tagdir)
-    manifest = load_manifest_file(tagdir)
-    reader = CheckedReader(tagdir, manifest, trusted)
+    manifest = read_manifest(tagdir)
+    reader = FileReader.at(tagdir, manifest, trusted)
     rules = [parse_partition(p) for p in partitions]
     outs, shards, skipped = plan_export(tagdir, rules, None, trusted)
     model = [TensorSource(o.key, tuple(o.shape), o.src_dtype, _recorded_partition(o, rules),
@@ -170,7 +171,7 @@ def _recorded_partition(out, rules) -> Optional[Partition]:
     return None
 
 
-def _small(reader: CheckedReader, tagdir: str, name: str):
+def _small(reader: FileReader, tagdir: str, name: str):
     if not os.path.isfile(os.path.join(tagdir, name)):
         return None
     return reader.plain(name, mmap=False)
@@ -190,7 +191,7 @@ class _OptimFile:
     data: Any          # ref data (xser) or the loaded state (plain)
 
 
-def _read_optim(reader: CheckedReader, tagdir: str, model: Dict[str, TensorSource],
+def _read_optim(reader: FileReader, tagdir: str, model: Dict[str, TensorSource],
                 stage_keys: Dict[int, List[str]]) -> OptimState:
     folder = os.path.join(tagdir, layout.OPTIM_DIR)
     names = layout.list_shard_files(folder)
@@ -205,7 +206,7 @@ def _read_optim(reader: CheckedReader, tagdir: str, model: Dict[str, TensorSourc
     files: Dict[Tuple[int, int, int], _OptimFile] = {}
     for s, n in names.items():
         rel = f"{layout.OPTIM_DIR}/{n}"
-        files[(s.tp, s.pp, s.dp)] = _OptimFile(rel, reader.refs(rel) if xser_folder else reader.plain(rel, mmap=True))
+        files[(s.tp, s.pp, s.dp)] = _OptimFile(rel, reader.load_pickle(rel) if xser_folder else reader.plain(rel, mmap=True))
     ntp = max(k[0] for k in files) + 1
     ndp = max(k[2] for k in files) + 1
     first = files[(0, min(stage_keys), 0)].data
@@ -263,7 +264,7 @@ def param_orders(keys: List[str], sizes: Optional[List[int]], count: int,
 
 
 def _param_names(f: _OptimFile, keys: List[str], model: Dict[str, TensorSource], ntp: int, zero1: bool,
-                 reader: CheckedReader) -> List[str]:
+                 reader: FileReader) -> List[str]:
     """The model key of each optimizer parameter index of one stage. Optimizers number parameters group by
     group, so: the names our converters recorded; else, with one param group, the model shard's order
     (``model.parameters()``); with two groups sized like NxD's weight-decay split (names without
@@ -277,7 +278,7 @@ def _param_names(f: _OptimFile, keys: List[str], model: Dict[str, TensorSource],
                             for i, k in enumerate(order)):
             return order
     raise ConversionError(
-        f"{reader.path(f.rel)} holds the state of {count} parameters in {len(sizes)} param group(s) of sizes {sizes}, "
+        f"{reader.where(f.rel)} holds the state of {count} parameters in {len(sizes)} param group(s) of sizes {sizes}, "
         f"which matches neither the model shard's {len(keys)} tensors in order nor NxD's weight-decay grouping "
         "(buffers, tied weights or another parameter order): the optimizer state cannot be mapped to parameter "
         "names. Pass --no-optimizer to convert the model only")
@@ -289,24 +290,24 @@ def _local_shape(t: TensorSource, ntp: int) -> tuple:
     return tp_shard_shape(t.shape, t.partition, ntp, t.name)
 
 
-def _leaf(reader: CheckedReader, f: _OptimFile, path: tuple, mapped: bool = False):
+def _leaf(reader: FileReader, f: _OptimFile, path: tuple, mapped: bool = False):
     obj = f.data
     try:
         for k in path:
             obj = obj[k]
     except (KeyError, IndexError, TypeError):
-        raise CorruptCheckpointError(f"{reader.path(f.rel)} lacks {'/'.join(map(str, path))}: the files do not come "
+        raise CorruptCheckpointError(f"{reader.where(f.rel)} lacks {'/'.join(map(str, path))}: the files do not come "
                                      "from one save") from None
     if xser.is_ref(obj):
         rel = layout.tensor_path(f.rel, obj.tid)
-        return _tensor_in_place(reader, rel) if mapped else reader.tensor(rel)
+        return _tensor_in_place(reader, rel) if mapped else reader.load_tensor(rel)
     return obj
 
 
-def _tensor_in_place(reader: CheckedReader, rel: str) -> torch.Tensor:
+def _tensor_in_place(reader: FileReader, rel: str) -> torch.Tensor:
     """One tensor file read once into a buffer, checked against the manifest there, and unpickled with the
     tensor as a view of the buffer: one pass over the bytes and one copy in memory."""
-    where = reader.path(rel)
+    where = reader.where(rel)
     try:
         size = os.path.getsize(where)
         buf = torch.empty(size, dtype=torch.uint8)
@@ -320,7 +321,7 @@ def _tensor_in_place(reader: CheckedReader, rel: str) -> torch.Tensor:
                 got += n
     except FileNotFoundError:
         raise CorruptCheckpointError(f"{where} is missing", path=where) from None
-    entry = reader.files.get(rel)
+    entry = reader.entry(rel)
     if entry is not None:
         entry.check_bytes(view[:got], where)
     try:
@@ -334,7 +335,7 @@ def _tensor_in_place(reader: CheckedReader, rel: str) -> torch.Tensor:
     return t
 
 
-def _param_state(reader: CheckedReader, per_tp: List[List[_OptimFile]], i: int, param: TensorSource,
+def _param_state(reader: FileReader, per_tp: List[List[_OptimFile]], i: int, param: TensorSource,
                  zero1: bool) -> ParamState:
     head = per_tp[0][0].data
     entry = (head["base_state"] if zero1 else head["state"]).get(i, {})
@@ -353,7 +354,7 @@ def _param_state(reader: CheckedReader, per_tp: List[List[_OptimFile]], i: int, 
     return ps
 
 
-def _joined(reader: CheckedReader, per_tp: List[List[_OptimFile]], path: tuple, param: TensorSource, zero1: bool,
+def _joined(reader: FileReader, per_tp: List[List[_OptimFile]], path: tuple, param: TensorSource, zero1: bool,
             label: str) -> TensorSource:
     """A state tensor of one parameter: ZeRO-1 pieces joined over DP per TP rank, then TP shards joined.
     Assembled in place in the full tensor, one input piece in memory at a time (about 1.x full tensors)."""
@@ -379,7 +380,7 @@ def _joined(reader: CheckedReader, per_tp: List[List[_OptimFile]], path: tuple, 
     return TensorSource(label, tuple(param.shape), dtype, param.partition, load)
 
 
-def _leaf_meta(reader: CheckedReader, f: _OptimFile, path: tuple) -> torch.dtype:
+def _leaf_meta(reader: FileReader, f: _OptimFile, path: tuple) -> torch.dtype:
     """The dtype of a state tensor, from the manifest when it records it (no tensor read), else read."""
     manifest = reader.manifest
     obj = f.data
@@ -389,7 +390,7 @@ def _leaf_meta(reader: CheckedReader, f: _OptimFile, path: tuple) -> torch.dtype
         meta = manifest.tensors.get(f.rel, {}).get(str(obj.tid)) if manifest is not None else None
         if meta is not None:
             return getattr(torch, meta.dtype)
-        return reader.tensor(layout.tensor_path(f.rel, obj.tid)).dtype
+        return reader.load_tensor(layout.tensor_path(f.rel, obj.tid)).dtype
     return obj.dtype
 
 

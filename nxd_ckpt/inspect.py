@@ -17,7 +17,9 @@ from . import commit, layout, masters
 from .errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, UnsafeCheckpointError
 from .manifest import NO_MANIFEST as _NO_MANIFEST, Manifest, TagDescription, describe_tag
 from .storage import Storage
-from .verify import CheckedReader, load_manifest_file, shard_refs, walk_refs
+from .manifest import read as read_manifest
+from .reader import FileReader
+from .verify import shard_refs, walk_refs
 
 
 def _iso(ts: Optional[float]) -> Optional[str]:
@@ -67,7 +69,7 @@ def tag_summary(tagdir, committed_at: Optional[float] = None) -> dict:
            "problem": None, "size": 0, "files": 0, "written_at": None, "format": None,
            "tp": None, "pp": None, "dp": None, "ep": None, "zero1": None, "xser": None}
     try:
-        manifest = load_manifest_file(st)
+        manifest = read_manifest(st)
     except CorruptCheckpointError as exc:
         manifest = None
         row.update(status="damaged", problem=str(exc))
@@ -124,7 +126,7 @@ def list_tags(checkpoint_dir) -> List[dict]:
     return [row for _, row in dated]
 
 
-def _small_file(name: str, trusted: bool, reader: CheckedReader) -> Optional[dict]:
+def _small_file(name: str, trusted: bool, reader: FileReader) -> Optional[dict]:
     if not reader.exists(name):
         return None
     out = {"file": name, "bytes": reader.storage.size(name)}
@@ -166,7 +168,7 @@ def _nbytes(dtype_name: str, shape) -> int:
         return 0
 
 
-def shard_tensor_meta(reader: CheckedReader, rel: str, manifest: Optional[Manifest], xser_folder: bool,
+def shard_tensor_meta(reader: FileReader, rel: str, manifest: Optional[Manifest], xser_folder: bool,
                       want_missing_shapes: bool) -> List[dict]:
     """[{tid, key, dtype, shape, partition...}] of one shard ref file, from the manifest, else from the
     ref pickle + ``.info.pt`` (reading tensor headers only where neither records a shape)."""
@@ -180,7 +182,7 @@ def shard_tensor_meta(reader: CheckedReader, rel: str, manifest: Optional[Manife
             out.append(e)
         return sorted(out, key=lambda e: e["tid"])
     if xser_folder:
-        data = reader.refs(rel)
+        data = reader.load_pickle(rel)
         info = reader.info(rel) or {}
     else:
         data = reader.plain(rel, mmap=True)
@@ -201,7 +203,7 @@ def shard_tensor_meta(reader: CheckedReader, rel: str, manifest: Optional[Manife
                     if k in meta:
                         e[k] = meta[k]
             elif want_missing_shapes:
-                t = reader.tensor(layout.tensor_path(rel, tid))
+                t = reader.load_tensor(layout.tensor_path(rel, tid))
                 e["dtype"], e["shape"] = _dtype_name(t.dtype), list(t.shape)
             else:
                 e["dtype"], e["shape"] = None, None
@@ -238,10 +240,10 @@ def describe(tagdir, tensors: bool = False, trusted: bool = False) -> dict:
     summary = tag_summary(st)
     manifest = None
     try:
-        manifest = load_manifest_file(st)
+        manifest = read_manifest(st)
     except CorruptCheckpointError:
         pass
-    reader = CheckedReader(st, manifest, trusted)
+    reader = FileReader.at(st, manifest, trusted)
     out = {
         "tag": summary["tag"], "path": tagdir, "status": summary["status"], "problem": summary["problem"],
         "format": summary["format"], "written_at": summary["written_at"],

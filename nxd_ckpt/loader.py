@@ -21,7 +21,7 @@ from . import manifest as manifest_mod
 from .errors import (CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError,
                      StateMismatchError, TopologyMismatchError)
 from .plan import home_filename, model_filename, optim_filename, replica_groups
-from .reader import ALL, FileReader, read_shard, resolve, share_shard
+from .reader import ALL, LOAD_HINT, FileReader, read_shard, resolve, share_shard
 from .storage import Storage
 from .storage.s3 import S3Error
 from .world import World
@@ -202,17 +202,6 @@ def _checked_tag(tag) -> None:
     return None
 
 
-def _manifest_of(storage: Storage, tag: str) -> Optional[manifest_mod.Manifest]:
-    try:
-        return manifest_mod.read(storage, tag)
-    except ValueError as exc:
-        rel = f"{tag}/{layout.MANIFEST_FILE}"
-        raise CorruptCheckpointError(
-            f"checkpoint {tag!r}: its manifest cannot be trusted ({exc}), so its files cannot be verified. Load "
-            f"another tag (tag=None picks the newest intact one); `nxd-ckpt verify {storage.root}` checks them all",
-            path=rel) from None
-
-
 def read_tag(storage: Storage, tag: str, world: World, *, want_model: bool, want_optim: bool,
              want_scheduler: bool, num_workers: int, trusted: bool, mapped: bool = False,
              node_local: bool = False, model=None, optimizer=None, reshard: bool = False) -> dict:
@@ -226,7 +215,7 @@ def read_tag(storage: Storage, tag: str, world: World, *, want_model: bool, want
     error: Optional[BaseException] = None
     resharding = False
     try:
-        manifest = _manifest_of(storage, tag)
+        manifest = manifest_mod.read(storage, tag)
         if manifest is None and commit.expects_manifest(storage, tag):
             rel = f"{tag}/{layout.MANIFEST_FILE}"
             raise CorruptCheckpointError(
@@ -241,7 +230,7 @@ def read_tag(storage: Storage, tag: str, world: World, *, want_model: bool, want
             reshard_load.check_reshardable(tag, saved, world, model is not None, want_optim)
         else:
             check_topology(tag, saved, world, want_optim)
-            reader = FileReader(storage, tag, manifest, trusted, mapped=mapped)
+            reader = FileReader(storage, tag, manifest, trusted, mapped=mapped, hint=LOAD_HINT)
             state = _read_parts(reader, saved, world, want_model, want_optim, want_scheduler, num_workers, node_local,
                                 (model, optimizer))
         state["manifest"], state["saved"], state["targets"] = manifest, saved, (model, optimizer)
@@ -264,7 +253,7 @@ def _read_resharded(storage: Storage, tag: str, state: dict, world: World, model
     target = reshard_load.target_of(model, world)
     error: Optional[BaseException] = None
     try:
-        reader = FileReader(storage, tag, state["manifest"], trusted)
+        reader = FileReader(storage, tag, state["manifest"], trusted, hint=LOAD_HINT)
         state.update(reshard_load.read_resharded(reader, state["manifest"], saved, target, want_model=want_model,
                                                  optimizer=optimizer, num_workers=num_workers))
         state.update(_read_parts(reader, saved, world, False, False, want_scheduler, 1, True))

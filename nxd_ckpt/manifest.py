@@ -233,11 +233,21 @@ def _in(tag: str, rel: str) -> str:
     return f"{tag}/{rel}" if tag else rel
 
 
-def read(storage, tag: str) -> Optional[Manifest]:
-    """The manifest of ``tag`` in ``storage``, or None when it has none (NxD checkpoints). ValueError when
-    it is missing although `done` records one, altered, or unreadable."""
-    return parse(_read_if_file(storage, _in(tag, layout.MANIFEST_FILE)),
-                 _read_if_file(storage, _in(tag, layout.DONE_MARKER)), tag)
+def read(where, tag: str = "") -> Optional[Manifest]:
+    """The one way to load a tag's manifest: ``tag`` in ``where`` (a path, URL or Storage; ``tag`` "" when it
+    is rooted at the tag itself). None when the tag has none (NxD checkpoints). CorruptCheckpointError naming
+    the file when it is missing although `done` records one, altered, or unreadable."""
+    storage = layout.storage_at(where)
+    name = _in(tag, layout.MANIFEST_FILE) if tag else f"{storage.root}/{layout.MANIFEST_FILE}"
+    try:
+        return parse(_read_if_file(storage, _in(tag, layout.MANIFEST_FILE)),
+                     _read_if_file(storage, _in(tag, layout.DONE_MARKER)), tag or storage.root)
+    except (OSError, ValueError) as exc:
+        detail = str(exc) if isinstance(exc, ValueError) else f"{name} cannot be read ({exc})"
+        raise CorruptCheckpointError(
+            f"{detail}: the manifest cannot be trusted, so the tag's files cannot be verified. Load another tag "
+            f"(tag=None picks the newest intact one); `nxd-ckpt verify {storage.root}` checks every tag",
+            path=name) from None
 
 
 def _read_if_file(storage, rel: str) -> Optional[bytes]:
@@ -275,8 +285,8 @@ NO_MANIFEST = object()
 
 def describe_tag(storage, name: str, manifest=None) -> TagDescription:
     """The one answer to "what is this tag": ours or NxD's, complete or not, topology, ZeRO-1, xser. Pass
-    ``manifest`` when it has been read already, or NO_MANIFEST; else it is read here (ValueError when it
-    cannot be trusted)."""
+    ``manifest`` when it has been read already, or NO_MANIFEST; else it is read here (CorruptCheckpointError
+    when it cannot be trusted)."""
     if manifest is None:
         manifest = read(storage, name)
     elif manifest is NO_MANIFEST:

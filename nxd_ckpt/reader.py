@@ -1,9 +1,11 @@
-"""Read one checkpoint's files for this rank into host memory, verifying every byte read.
+"""The one read side: every file of a checkpoint that anything reads (load_checkpoint and every offline tool)
+goes through ``FileReader``, which verifies the bytes as read against the manifest, memory-maps only where
+the backend is local, and unpickles safely unless the caller trusts the files.
 
-No state is changed here: the result is a plain dict that loader.py checks and applies. Tensor files
-of a DP-replicated shard are split among its replicas (the same largest-first split the save used);
-each replica reads its share, verifies it against the manifest, and the share is broadcast to the
-other replicas over a host-side gloo group.
+Loading also lives here: no state is changed in this module: the result is a plain dict that loader.py checks
+and applies. Tensor files of a DP-replicated shard are split among its replicas (the same largest-first split
+the save used); each replica reads its share, verifies it against the manifest, and the share is broadcast to
+the other replicas over a host-side gloo group.
 """
 from __future__ import annotations
 
@@ -30,105 +32,193 @@ from .storage import Storage
 log = logging.getLogger("nxd_ckpt")
 
 
-_NEXT = ("load another tag (tag=None picks the newest intact one); `nxd-ckpt verify <dir>` lists every damaged "
-         "file")
+#: What load_checkpoint's errors advise (the offline tools say nothing more than what is wrong).
+LOAD_HINT = ("load another tag (tag=None picks the newest intact one); `nxd-ckpt verify <dir>` lists every "
+             "damaged file")
 
 
 @dataclass
 class FileReader:
-    """Reads files of one tag, checking size and CRC32C against the manifest when there is one."""
+    """Reads the files of one tag, verifying each against the manifest when there is one: size and CRC32C
+    on the bytes as read (whole files or recorded byte ranges), or by a streaming pass (``check_file``).
+
+    ``storage`` holds the tag under ``tag`` ("" when it is rooted at the tag itself); paths are relative to
+    the tag. Errors name the file (``where``): CorruptCheckpointError for a missing, truncated, damaged,
+    unlisted or unreadable file; UnsafeCheckpointError for a pickle that needs ``trusted=True``. Safe to use
+    from several threads.
+    """
 
     storage: Storage
-    tag: str
-    manifest: Optional[Manifest]
+    tag: str = ""
+    manifest: Optional[Manifest] = None
     trusted: bool = False
     # Tensor files may come back memory-mapped (see _read_tensor_mapped): only when the caller copies
     # every loaded tensor into a device tensor or an existing parameter and keeps none of them.
     mapped: bool = False
+    hint: str = ""           # appended to every error: what to do next
+
+    @classmethod
+    def at(cls, where, manifest: Optional[Manifest] = None, trusted: bool = False) -> "FileReader":
+        """A reader of the tag at ``where`` (a path, an ``s3://`` URL or a Storage rooted at the tag)."""
+        return cls(layout.storage_at(where), "", manifest, trusted)
+
+    def _full(self, relpath: str) -> str:
+        return f"{self.tag}/{relpath}" if self.tag else relpath
+
+    def where(self, relpath: str) -> str:
+        """How messages name the file: ``<tag>/<relpath>`` for a tag inside a checkpoint dir (load), else its
+        local path or URL (the offline tools)."""
+        if self.tag:
+            return self._full(relpath)
+        root = self.storage.root.rstrip("/")
+        return self.storage.local_path(relpath) or (f"{root}/{relpath}" if relpath else root)
+
+    def _corrupt(self, relpath: str, what: str, **kw) -> CorruptCheckpointError:
+        where = self.where(relpath)
+        return CorruptCheckpointError(f"{where} {what}{'; ' + self.hint if self.hint else ''}", path=where, **kw)
+
+    def entry(self, relpath: str) -> Optional[FileEntry]:
+        """The manifest's record of the file (None without a manifest); CorruptCheckpointError when the tag
+        has a manifest that does not list it."""
+        if self.manifest is None:
+            return None
+        entry = self.manifest.files.get(relpath)
+        if entry is None:
+            raise self._corrupt(relpath, f"is not listed in the manifest of {self.tag or self.storage.root!r}")
+        return entry
+
+    def exists(self, relpath: str) -> bool:
+        """Whether the tag has the file: by the manifest when there is one (no request), else by the storage."""
+        if self.manifest is not None:
+            return relpath in self.manifest.files
+        return self.storage.isfile(self._full(relpath))
 
     def read(self, relpath: str) -> bytes:
-        full = f"{self.tag}/{relpath}"
-        if not self.storage.exists(full):
-            raise CorruptCheckpointError(
-                f"checkpoint {self.tag!r} is marked complete but {full} is missing; {_NEXT}", path=full)
-        data = self.storage.read_bytes(full)
-        if self.manifest is not None:
-            self._verify(relpath, full, data)
+        """The whole file, verified."""
+        entry = self.entry(relpath)
+        try:
+            data = self.storage.read(self._full(relpath))
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+            raise self._corrupt(relpath, "is missing") from None
+        if entry is not None:
+            entry.check_bytes(data, self.where(relpath), self.hint)
         return data
 
     def read_range(self, relpath: str, offset: int, length: int, crc: str) -> bytes:
         """``length`` bytes at ``offset`` of a file the manifest lists, checked against ``crc`` (a CRC32C the
         manifest records for that range)."""
-        full = f"{self.tag}/{relpath}"
-        if self.manifest is None or relpath not in self.manifest.files:
-            raise CorruptCheckpointError(f"{full} is not listed in the manifest of {self.tag!r}; {_NEXT}", path=full)
+        if self.manifest is None:
+            raise self._corrupt(relpath, "has no manifest to check a byte range against")
+        self.entry(relpath)
         try:
-            data = self.storage.read(full, offset, length)
+            data = self.storage.read(self._full(relpath), offset, length)
         except FileNotFoundError:
-            raise CorruptCheckpointError(
-                f"checkpoint {self.tag!r} is marked complete but {full} is missing; {_NEXT}", path=full) from None
+            raise self._corrupt(relpath, "is missing") from None
         found = f"{_crc32c.crc32c(data):08x}"
         if len(data) != length or found != crc:
-            raise CorruptCheckpointError(
-                f"{full} bytes {offset}-{offset + length} are damaged (expected {length} bytes with CRC32C {crc}, "
-                f"found {len(data)} bytes with {found}); {_NEXT}", path=full, expected=crc, found=found)
+            raise self._corrupt(relpath, f"bytes {offset}-{offset + length} are damaged (expected {length} bytes "
+                                f"with CRC32C {crc}, found {len(data)} bytes with {found})", expected=crc, found=found)
         return data
 
-    def _verify(self, relpath: str, full: str, data: bytes) -> None:
-        entry = self.manifest.files.get(relpath)
-        if entry is None:
-            raise CorruptCheckpointError(f"{full} is not listed in the manifest of {self.tag!r}; {_NEXT}",
-                                         path=full)
-        entry.check_bytes(data, full, _NEXT)
+    def check_file(self, relpath: str) -> None:
+        """Stream-check a (possibly large) file against the manifest without holding it in memory; without a
+        manifest, only that it exists. CorruptCheckpointError naming the file."""
+        problem = self.mismatch(relpath)
+        if problem is not None:
+            raise self._corrupt(relpath, problem)
 
-    def exists(self, relpath: str) -> bool:
-        if self.manifest is not None:
-            return relpath in self.manifest.files
-        return self.storage.exists(f"{self.tag}/{relpath}")
+    def mismatch(self, relpath: str) -> Optional[str]:
+        """What is wrong with the file against the manifest ("is missing", wrong size, wrong CRC32C: the size
+        is looked at first, so a truncated file is not read), or None. A streaming pass, not held in memory."""
+        entry, full = self.entry(relpath), self._full(relpath)
+        try:
+            size = self.storage.size(full)
+            if entry is None or entry.mismatch(size, None):
+                return None if entry is None else entry.mismatch(size, None)
+            size, crc = self.storage.crc32c(full)
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+            return "is missing"
+        except OSError as exc:
+            return f"cannot be read: {exc}"
+        return entry.mismatch(size, crc)
+
+    # --- unpickling ----------------------------------------------------------------------------------
+    def _unpickled(self, relpath: str, load):
+        """``load()``'s result, with xser's and torch's errors turned into ours, naming the file."""
+        try:
+            return load()
+        except UnsafeCheckpointError:
+            raise
+        except xser.UnsafeCheckpointError as exc:
+            raise UnsafeCheckpointError(str(exc), path=self.where(relpath),
+                                        global_name=exc.global_name) from None
+        except CorruptCheckpointError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - any other failure to unpickle verified bytes: damage
+            detail = str(exc) if isinstance(exc, xser.XserError) else f"cannot be read: {exc}"
+            raise CorruptCheckpointError(f"{detail}{'; ' + self.hint if self.hint else ''}",
+                                         path=self.where(relpath)) from exc
 
     def load_pickle(self, relpath: str):
+        """A ref file, ``.info.pt``, scheduler or user content: the verified bytes unpickled (safely unless
+        trusted); tensors inline in it are loaded, TensorReferences left as they are."""
         return self.parse_pickle(relpath, self.read(relpath))
 
     def parse_pickle(self, relpath: str, data):
         """Unpickle ``data`` (the verified bytes of ``relpath``, a readable view of them, or a uint8 tensor
         holding them, whose storage the tensors of the result then share) safely unless the reader is trusted."""
-        name = f"{self.tag}/{relpath}"
-        try:
-            if isinstance(data, torch.Tensor):   # bytes received from another rank, used in place
-                return xser.load_pickle_in_place(data, trusted=self.trusted, name=name)
-            src = data if hasattr(data, "readinto") else io.BytesIO(data)
-            return xser.load_refs(src, trusted=self.trusted, name=name)
-        except xser.UnsafeCheckpointError as exc:
-            raise UnsafeCheckpointError(str(exc)) from None
-        except xser.XserError as exc:
-            raise CorruptCheckpointError(f"{exc}; {_NEXT}", path=f"{self.tag}/{relpath}") from exc
+        name = self.where(relpath)
+        if isinstance(data, torch.Tensor):   # bytes received from another rank, used in place
+            return self._unpickled(relpath, lambda: xser.load_pickle_in_place(data, trusted=self.trusted, name=name))
+        src = data if hasattr(data, "readinto") else io.BytesIO(data)
+        return self._unpickled(relpath, lambda: xser.load_refs(src, trusted=self.trusted, name=name))
 
-    def load_tensor(self, relpath: str) -> torch.Tensor:
-        direct = self._load_tensor_direct(relpath)
+    def info(self, ref_relpath: str) -> Optional[dict]:
+        """The shard's ``.info.pt`` ({tid: {dtype, shape, ...}}), None when it has none (older NxD)."""
+        rel = layout.info_path(ref_relpath)
+        return self.load_pickle(rel) if self.exists(rel) else None
+
+    def plain(self, relpath: str, mmap: bool = True):
+        """A non-xser shard (one torch.save file); with ``mmap`` and a local backend, checked by a streaming
+        pass and then memory-mapped (its tensors read from the page cache), else read whole and verified."""
+        local = self.storage.local_path(self._full(relpath)) if mmap else None
+        if local is None:
+            return self.load_pickle(relpath)
+        self.check_file(relpath)
+        name = self.where(relpath)
+        try:
+            return self._unpickled(relpath, lambda: xser.load_pickle(local, trusted=self.trusted, name=name, mmap=True))
+        except CorruptCheckpointError:
+            return self.load_pickle(relpath)    # a legacy (non-zip) file cannot be mapped; the full read decides
+
+    def load_tensor(self, relpath: str, mapped: Optional[bool] = None) -> torch.Tensor:
+        """One xser tensor file, verified. ``mapped`` (default: the reader's): a large local file may come back
+        memory-mapped (``_read_tensor_mapped``, verified in the same pass)."""
+        direct = self._load_tensor_mapped(relpath) if (self.mapped if mapped is None else mapped) else None
         if direct is not None:
             return direct
         data = self.read(relpath)
-        try:
-            return xser.read_tensor(io.BytesIO(data), trusted=self.trusted)
-        except xser.UnsafeCheckpointError as exc:
-            raise UnsafeCheckpointError(str(exc)) from None
-        except (xser.XserError, RuntimeError, EOFError) as exc:
-            raise CorruptCheckpointError(f"{self.tag}/{relpath} is damaged: {exc}; {_NEXT}",
-                                         path=f"{self.tag}/{relpath}") from exc
+        name = self.where(relpath)
+        return self._unpickled(relpath, lambda: xser.read_tensor(io.BytesIO(data), trusted=self.trusted, name=name))
 
-    def _load_tensor_direct(self, relpath: str) -> Optional[torch.Tensor]:
-        """With ``mapped``: a large local tensor file listed in the manifest, memory-mapped and verified
-        (``_read_tensor_mapped``). None when that does not apply or the file does not verify; load_tensor
-        then reads the bytes and names the damage."""
+    def _load_tensor_mapped(self, relpath: str) -> Optional[torch.Tensor]:
+        """A large local tensor file memory-mapped: verified in the same pass when the manifest lists it
+        (``_read_tensor_mapped``); as it is when there is no manifest (nothing to verify against). None when
+        that does not apply or the file does not verify; load_tensor then reads the bytes and names the damage."""
+        local = self.storage.local_path(self._full(relpath))
         entry = self.manifest.files.get(relpath) if self.manifest is not None else None
-        full = f"{self.tag}/{relpath}"
-        local = self.storage.local_path(full) if self.mapped and entry is not None else None
-        if local is None or entry.size < MAPPED_MIN_BYTES:
+        if local is None or (self.manifest is not None and entry is None):
             return None
         try:
-            return _read_tensor_mapped(local, entry, self.trusted, full)
+            if entry is None:
+                if os.path.getsize(local) < MAPPED_MIN_BYTES:
+                    return None
+                return xser.read_tensor(local, trusted=self.trusted, name=self.where(relpath), mmap=True)
+            if entry.size < MAPPED_MIN_BYTES:
+                return None
+            return _read_tensor_mapped(local, entry, self.trusted, self.where(relpath))
         except xser.UnsafeCheckpointError as exc:
-            raise UnsafeCheckpointError(str(exc)) from None
+            raise UnsafeCheckpointError(str(exc), path=self.where(relpath)) from None
         except Exception:  # noqa: BLE001 - any doubt: the byte-exact path decides and explains
             return None
 

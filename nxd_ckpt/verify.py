@@ -1,4 +1,4 @@
-"""Offline verification of checkpoint tags, and a checksum-checking reader the other offline tools share.
+"""Offline verification of checkpoint tags (reading through reader.FileReader, like everything else).
 
 A tag written by nxd-ckpt has a manifest listing every file with its size and CRC32C: verifying it means
 re-reading every byte. A tag written by neuronx-distributed has no manifest: the best we can do is check
@@ -7,7 +7,6 @@ tensor file opens.
 """
 from __future__ import annotations
 
-import io
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -18,164 +17,11 @@ import torch
 import xser
 
 from . import commit, layout
-from .manifest import FileEntry, Manifest, parse as parse_manifest
+from . import manifest as manifest_mod
+from .manifest import Manifest
+from .reader import FileReader
 from .storage import Storage, open_storage
 from .errors import CheckpointError, CorruptCheckpointError, UnsafeCheckpointError
-
-# --- reading with checks ---------------------------------------------------------------------------
-def _tag_storage(where) -> Storage:
-    """The Storage rooted at a tag directory given as a path, an ``s3://`` URL or a Storage."""
-    return layout.storage_at(where)
-
-
-def load_manifest_file(tagdir) -> Optional[Manifest]:
-    """The tag's manifest (``tagdir``: a path, URL or Storage rooted at the tag), None when it has none;
-    CorruptCheckpointError when it cannot be parsed."""
-    st = _tag_storage(tagdir)
-    try:
-        return parse_manifest(_read_if_file(st, layout.MANIFEST_FILE), _read_if_file(st, layout.DONE_MARKER), st.root)
-    except (OSError, ValueError) as exc:
-        raise CorruptCheckpointError(f"the tag's manifest cannot be trusted: {exc}",
-                                     path=f"{st.root}/{layout.MANIFEST_FILE}") from None
-
-
-def _read_if_file(st: Storage, rel: str) -> Optional[bytes]:
-    return st.read_bytes(rel) if st.isfile(rel) else None
-
-
-class CheckedReader:
-    """Reads the files of one tag (a path, an ``s3://`` URL or a Storage rooted at the tag), checking each
-    against the manifest when there is one (``FileEntry.check``); memory-maps only where the backend is local.
-
-    Paths are relative to the tag directory. Errors name the file: CorruptCheckpointError for missing,
-    truncated, damaged or unreadable files; xser.UnsafeCheckpointError (from ref pickles that need
-    ``trusted=True``) is passed through.
-    """
-
-    def __init__(self, tagdir, manifest: Optional[Manifest] = None, trusted: bool = False):
-        self.storage = _tag_storage(tagdir)
-        self.tagdir = self.storage.root
-        self.manifest = manifest
-        self.files: Dict[str, FileEntry] = dict(manifest.files) if manifest else {}
-        self.trusted = trusted
-
-    def path(self, relpath: str) -> str:
-        """The file's local path, or its URL on an object store (for messages)."""
-        return self.storage.local_path(relpath) or (f"{self.tagdir}/{relpath}" if relpath else self.tagdir)
-
-    def read(self, relpath: str) -> bytes:
-        where = self.path(relpath)
-        try:
-            data = self.storage.read_bytes(relpath)
-        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
-            raise CorruptCheckpointError(f"{where} is missing", path=where) from None
-        entry = self.files.get(relpath)
-        if entry is not None:
-            entry.check_bytes(data, where)
-        return data
-
-    def exists(self, relpath: str) -> bool:
-        return self.storage.isfile(relpath)
-
-    def check_file(self, relpath: str) -> None:
-        """Stream-check a (possibly large) file against the manifest without keeping it in memory."""
-        entry = self.files.get(relpath)
-        where = self.path(relpath)
-        if not self.storage.isfile(relpath):
-            raise CorruptCheckpointError(f"{where} is missing", path=where)
-        if entry is None:
-            return
-        size, crc = self.storage.crc32c(relpath)
-        entry.check(size, crc, where)
-
-    def refs(self, relpath: str):
-        """The ref pickle of a shard (TensorReferences, or inline tensors) loaded safely."""
-        data = self.read(relpath)
-        try:
-            return xser.load_refs(io.BytesIO(data), trusted=self.trusted, name=self.path(relpath))
-        except xser.UnsafeCheckpointError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - any unpickling failure means a damaged file
-            raise CorruptCheckpointError(f"{self.path(relpath)} cannot be read: {exc}",
-                                         path=self.path(relpath)) from exc
-
-    def _torch_load(self, relpath: str, mmap: bool):
-        """torch.load of a checked file: memory-mapped from the local file, else from its verified bytes."""
-        local = self.storage.local_path(relpath) if mmap else None
-        if local is None:
-            return torch.load(io.BytesIO(self.read(relpath)), map_location="cpu", weights_only=not self.trusted)
-        return torch.load(local, map_location="cpu", weights_only=not self.trusted, mmap=True)
-
-    def plain(self, relpath: str, mmap: bool = True):
-        """A non-xser shard (one torch.save file), tensors memory-mapped when possible."""
-        self.check_file(relpath)
-        where = self.path(relpath)
-        try:
-            try:
-                return self._torch_load(relpath, mmap)
-            except RuntimeError as exc:
-                if mmap and "mmap" in str(exc):  # legacy (non-zip) format cannot be memory-mapped
-                    return self._torch_load(relpath, False)
-                raise
-        except Exception as exc:  # noqa: BLE001
-            if not self.trusted and "weights_only" in str(exc):
-                raise xser.UnsafeCheckpointError(
-                    f"{where} holds objects a safe load refuses; if you trust its origin pass --trusted "
-                    f"({str(exc).splitlines()[0]})") from None
-            raise CorruptCheckpointError(f"{where} cannot be read: {exc}", path=where) from exc
-
-    def tensor(self, relpath: str) -> torch.Tensor:
-        """One xser tensor file, checked."""
-        data = self.read(relpath)
-        try:
-            t = xser.read_tensor(io.BytesIO(data), trusted=self.trusted)
-        except xser.UnsafeCheckpointError:
-            raise
-        except Exception as exc:  # noqa: BLE001
-            raise CorruptCheckpointError(f"{self.path(relpath)} is not a readable tensor file: {exc}",
-                                         path=self.path(relpath)) from exc
-        if not isinstance(t, torch.Tensor):
-            raise CorruptCheckpointError(f"{self.path(relpath)} does not hold a tensor", path=self.path(relpath))
-        return t
-
-    def tensor_mapped(self, relpath: str) -> torch.Tensor:
-        """One xser tensor file, checked by a streaming read, then memory-mapped (no copy of its bytes on
-        the heap: slicing it reads straight from the page cache). Falls back to ``tensor`` for files that
-        cannot be mapped (legacy format, or a backend with no local file)."""
-        local = self.storage.local_path(relpath)
-        if local is None:
-            return self.tensor(relpath)
-        entry = self.files.get(relpath)
-        if entry is not None:   # the loader's one-pass verified mapping; None: the full read says why
-            from .reader import _read_tensor_mapped
-
-            try:
-                t = _read_tensor_mapped(local, entry, self.trusted, self.path(relpath))
-            except xser.UnsafeCheckpointError:
-                raise
-            except Exception:  # noqa: BLE001 - any doubt: the byte-exact path decides and explains
-                t = None
-            return t if t is not None else self.tensor(relpath)
-        self.check_file(relpath)
-        try:
-            t = torch.load(local, map_location="cpu", weights_only=not self.trusted, mmap=True)
-        except Exception:  # noqa: BLE001 - legacy format, or damaged: the full read says which
-            return self.tensor(relpath)
-        if not isinstance(t, torch.Tensor):
-            raise CorruptCheckpointError(f"{local} does not hold a tensor", path=local)
-        return t
-
-    def info(self, ref_relpath: str) -> Optional[dict]:
-        """The shard's ``.info.pt`` ({tid: {dtype, shape, ...}}), None when absent (older NxD)."""
-        rel = layout.info_path(ref_relpath)
-        if not self.storage.isfile(rel):
-            return None
-        data = self.read(rel)
-        try:
-            return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-        except Exception as exc:  # noqa: BLE001
-            raise CorruptCheckpointError(f"{self.path(rel)} cannot be read: {exc}", path=self.path(rel)) from exc
-
 
 def walk_refs(obj, path=()):
     """Yield (key path tuple, leaf) for every TensorReference or tensor in a nested structure."""
@@ -223,22 +69,6 @@ def _progress_bar(total: int, desc: str, progress: Optional[bool]):
     return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc, leave=False)
 
 
-def _check_one(st: Storage, relpath: str, entry: FileEntry) -> Optional[str]:
-    try:
-        size = st.size(relpath)
-    except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
-        return "missing"
-    except OSError as exc:
-        return f"cannot be read: {exc}"
-    if entry.mismatch(size, None):
-        return entry.mismatch(size, None)
-    try:
-        size, crc = st.crc32c(relpath)
-    except OSError as exc:
-        return f"cannot be read: {exc}"
-    return entry.mismatch(size, crc)
-
-
 def _split_root(root: str) -> Tuple[str, str]:
     """(parent, name) of a tag's root path or URL."""
     parent, _, name = root.rstrip("/").rpartition("/")
@@ -270,13 +100,13 @@ def verify_tag(tagdir, workers: int = 8, progress: Optional[bool] = None, *,
     ``require_manifest``: None (default) requires one when the parent directory is managed by nxd-ckpt
     (a ``newest`` pointer or another tag with a manifest); True always; False never.
     """
-    st = _tag_storage(tagdir)
+    st = layout.storage_at(tagdir)
     res = VerifyResult(_split_root(st.root)[1], st.root, False, "nxd-ckpt")
     if not st.isdir(""):
         res.problems.append((".", "the tag directory does not exist"))
         return res
     try:
-        manifest = load_manifest_file(st)
+        manifest = manifest_mod.read(st)
     except CorruptCheckpointError as exc:
         res.problems.append((layout.MANIFEST_FILE, str(exc)))
         manifest = None
@@ -301,11 +131,12 @@ def verify_tag(tagdir, workers: int = 8, progress: Optional[bool] = None, *,
 
 def _verify_manifest(st: Storage, manifest: Manifest, res: VerifyResult, workers: int, progress) -> None:
     files = manifest.files
+    reader = FileReader.at(st, manifest)
     bar = _progress_bar(sum(e.size for e in files.values()), f"verify {res.tag}", progress)
 
     def job(item):
         rel, entry = item
-        problem = _check_one(st, rel, entry)
+        problem = reader.mismatch(rel)
         if bar is not None:
             bar.update(entry.size)
         return rel, entry, problem
@@ -330,7 +161,7 @@ def _verify_manifest(st: Storage, manifest: Manifest, res: VerifyResult, workers
 
 def _verify_nxd(st: Storage, res: VerifyResult, workers: int, progress, trusted: bool) -> None:
     """NxD rules: every ref file loads, every tensor file it names exists and opens."""
-    reader = CheckedReader(st, None, trusted)
+    reader = FileReader.at(st, None, trusted)
     tensor_files: List[str] = []
     folders = [f for f in (layout.MODEL_DIR, layout.OPTIM_DIR) if st.isdir(f)]
     if not folders:
@@ -350,7 +181,7 @@ def _verify_nxd(st: Storage, res: VerifyResult, workers: int, progress, trusted:
     res.notes.append("no manifest: checked completeness and that every file opens, not checksums")
 
 
-def _check_refs(reader: CheckedReader, folder: str, res: VerifyResult, from_masters: bool) -> List[str]:
+def _check_refs(reader: FileReader, folder: str, res: VerifyResult, from_masters: bool) -> List[str]:
     """Load every ref file of ``folder``; the tensor files the xser ones name."""
     tensor_files: List[str] = []
     xser_folder = layout.folder_is_xser(reader.storage, folder)
@@ -362,8 +193,8 @@ def _check_refs(reader: CheckedReader, folder: str, res: VerifyResult, from_mast
         res.files_checked += 1
         if xser_folder:
             try:
-                data = reader.refs(rel)
-            except xser.UnsafeCheckpointError as exc:
+                data = reader.load_pickle(rel)
+            except UnsafeCheckpointError as exc:
                 res.problems.append((rel, f"not checkable without --trusted: {exc}"))
                 continue
             except CheckpointError as exc:
@@ -385,14 +216,14 @@ def _check_refs(reader: CheckedReader, folder: str, res: VerifyResult, from_mast
         else:
             try:
                 reader.plain(rel, mmap=True)
-            except xser.UnsafeCheckpointError as exc:
+            except UnsafeCheckpointError as exc:
                 res.problems.append((rel, f"not checkable without --trusted: {exc}"))
             except CheckpointError as exc:
                 res.problems.append((rel, str(exc)))
     return tensor_files
 
 
-def _check_tensor_files(reader: CheckedReader, tensor_files: List[str], res: VerifyResult, workers: int,
+def _check_tensor_files(reader: FileReader, tensor_files: List[str], res: VerifyResult, workers: int,
                         progress) -> None:
     """Every tensor file named by a ref file exists and opens (``workers`` threads)."""
     sizes = {}
@@ -409,8 +240,8 @@ def _check_tensor_files(reader: CheckedReader, tensor_files: List[str], res: Ver
             problem = "missing (named by its ref file)"
         else:
             try:
-                reader.tensor(rel)
-            except xser.UnsafeCheckpointError as exc:
+                reader.load_tensor(rel)
+            except UnsafeCheckpointError as exc:
                 problem = f"not checkable without --trusted: {exc}"
             except CheckpointError as exc:
                 problem = f"does not open: {exc}"

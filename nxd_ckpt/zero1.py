@@ -32,7 +32,8 @@ from .outdir import check_output_dir, progress_bar, staged_output
 from .partition import make_piece, piece_rows as _per, rows_tail as _rows_tail
 from .storage import FileRecord, LocalStorage
 from .storage.local import file_crc32c
-from .verify import CheckedReader, load_manifest_file
+from .manifest import read as read_manifest
+from .reader import FileReader
 
 
 class Zero1FormatError(CheckpointError, ValueError):
@@ -427,12 +428,12 @@ def convert_zero1(input_dir: str, output_dir: str, *, to_full: bool = False, dp_
                 f"{input_dir} has no optim/ folder: it holds no optimizer state to convert. Pass the tag directory "
                 "of a checkpoint saved with a ZeRO-1 optimizer (e.g. ckpts/step_1000, which contains optim/)")
         in_root, in_folder = os.path.dirname(src), os.path.basename(src)
-    manifest = load_manifest_file(in_root) if tag_mode or os.path.basename(src) == layout.OPTIM_DIR else None
+    manifest = read_manifest(in_root) if tag_mode or os.path.basename(src) == layout.OPTIM_DIR else None
     if tag_mode and not os.path.isfile(os.path.join(src, layout.DONE_MARKER)):
         raise CheckpointArgumentError(
             f"{input_dir} has no 'done' marker: its save never finished, so its files may be incomplete. "
             "Convert a complete tag (see `nxd-ckpt ls`)")
-    reader = CheckedReader(in_root, manifest, trusted)
+    reader = FileReader.at(in_root, manifest, trusted)
     in_prefix = f"{in_folder}/" if in_folder else ""
     groups_in, full_in = _scan_optim(in_root, in_folder)
     legacy = layout.OPTIM_DIR in manifest_mod.legacy_ep_folders(manifest) and not full_in
@@ -452,7 +453,7 @@ def convert_zero1(input_dir: str, output_dir: str, *, to_full: bool = False, dp_
         for files in groups_in.values():
             for name in files.values():
                 reader.check_file(in_prefix + name)
-        plain_reader = CheckedReader(in_root, None, trusted)
+        plain_reader = FileReader.at(in_root, None, trusted)
 
     groups: List[Group] = []
     for key in sorted(groups_in, key=lambda k: (k[0] or 0, k[1], k[2])):
@@ -464,17 +465,17 @@ def convert_zero1(input_dir: str, output_dir: str, *, to_full: bool = False, dp_
         else:
             out_rels = [out_prefix + layout.shard_filename(d, tp, pp, ep) for d in range(g_out)]
         grp = Group(layout.ShardName(0, tp, pp, ep), in_rels, out_rels)
-        grp.sources = [reader.refs(r) if xser_in else None for r in in_rels]
+        grp.sources = [reader.load_pickle(r) if xser_in else None for r in in_rels]
         first = grp.sources[0] if xser_in else plain_reader.plain(in_rels[0], mmap=True)
-        grp.template, grp.slots, grp.shape_info = build_template(first, reader.path(in_rels[0]))
+        grp.template, grp.slots, grp.shape_info = build_template(first, reader.where(in_rels[0]))
         expert_from = _ep_split(input_dir, first, in_rels[0], ep_size, g_in, g_out, to_full)
         grp.ep = ep_size if expert_from is not None else 1
         grp.expert_from = expert_from
         if xser_in:
             for j, s in enumerate(grp.sources[1:], 1):
                 if not isinstance(s, dict) or "base_state" not in s:
-                    raise Zero1FormatError(f"{reader.path(in_rels[j])} is not a ZeRO-1 optimizer state, "
-                                           f"unlike {reader.path(in_rels[0])}")
+                    raise Zero1FormatError(f"{reader.where(in_rels[j])} is not a ZeRO-1 optimizer state, "
+                                           f"unlike {reader.where(in_rels[0])}")
         groups.append(grp)
 
     records: Dict[str, FileRecord] = {}
@@ -549,10 +550,10 @@ def _init_worker(ctx: _WorkerContext) -> None:
     torch.set_num_threads(1)
 
 
-def _load_leaf(reader: CheckedReader, spec) -> Tuple[torch.Tensor, str]:
+def _load_leaf(reader: FileReader, spec) -> Tuple[torch.Tensor, str]:
     kind, val = spec
     if kind == "file":
-        return reader.tensor_mapped(val), reader.path(val)
+        return reader.load_tensor(val, mapped=True), reader.where(val)
     return val[0], val[1]
 
 
@@ -562,7 +563,7 @@ def _run_unit(unit: dict) -> List[tuple]:
     from concurrent.futures import ThreadPoolExecutor
 
     ctx = _CTX
-    reader = CheckedReader(ctx.in_root, ctx.manifest, ctx.trusted)
+    reader = FileReader.at(ctx.in_root, ctx.manifest, ctx.trusted)
     out = LocalStorage(ctx.out_root)
     geo: Geometry = unit["geometry"]
     results = []
@@ -640,7 +641,7 @@ def _nbytes(shape, dtype_size: int = 4) -> int:
 
 
 def _convert_xser(groups: List[Group], g_in: int, full_in: bool, g_out: int, full_out: bool, ctx: _WorkerContext,
-                  reader: CheckedReader, out: LocalStorage, records: Dict[str, FileRecord],
+                  reader: FileReader, out: LocalStorage, records: Dict[str, FileRecord],
                   optim_tensors: Dict[str, dict], num_workers: int, progress) -> None:
     units = []
     group_plans = []
@@ -661,14 +662,14 @@ def _convert_xser(groups: List[Group], g_in: int, full_in: bool, g_out: int, ful
                     leaf = _get_path(src, s.path)
                 except (KeyError, IndexError, TypeError):
                     raise Zero1FormatError(
-                        f"{reader.path(grp.in_rels[j])} has no {'/'.join(map(str, s.path))}, unlike "
+                        f"{reader.where(grp.in_rels[j])} has no {'/'.join(map(str, s.path))}, unlike "
                         f"{grp.in_rels[0]}: the DP shards do not come from one ZeRO-1 optimizer") from None
                 if xser.is_ref(leaf):
                     specs.append(("file", layout.tensor_path(grp.in_rels[j], leaf.tid)))
                 elif isinstance(leaf, torch.Tensor):
-                    specs.append(("inline", (leaf, f"{reader.path(grp.in_rels[j])} [{'/'.join(map(str, s.path))}]")))
+                    specs.append(("inline", (leaf, f"{reader.where(grp.in_rels[j])} [{'/'.join(map(str, s.path))}]")))
                 else:
-                    raise Zero1FormatError(f"{reader.path(grp.in_rels[j])}: {'/'.join(map(str, s.path))} is a "
+                    raise Zero1FormatError(f"{reader.where(grp.in_rels[j])}: {'/'.join(map(str, s.path))} is a "
                                            f"{type(leaf).__name__}, not a tensor, unlike in {grp.in_rels[0]}")
             per_param.setdefault(s.param, []).append(("/".join(map(str, s.path)), specs, tid_of[id(s)]))
         for i, keys in per_param.items():
@@ -690,7 +691,7 @@ def _convert_xser(groups: List[Group], g_in: int, full_in: bool, g_out: int, ful
         copies = {tid: s for tid, s in slot_of_tid.items() if s.kind == "copy"}
         for tid, s in sorted(copies.items()):
             if xser.is_ref(s.leaf):
-                t = reader.tensor(layout.tensor_path(grp.in_rels[0], s.leaf.tid))
+                t = reader.load_tensor(layout.tensor_path(grp.in_rels[0], s.leaf.tid))
             else:
                 t = s.leaf
             # Only DP rank 0's copy is used; the others' are still checked, so damage never goes unreported.
@@ -718,10 +719,10 @@ def _convert_xser(groups: List[Group], g_in: int, full_in: bool, g_out: int, ful
 def _run_plain_unit(unit: dict) -> List[tuple]:
     """Non-xser: build output rank r's whole state (inputs memory-mapped) and torch.save it."""
     ctx = _CTX
-    reader = CheckedReader(ctx.in_root, ctx.manifest, ctx.trusted)
+    reader = FileReader.at(ctx.in_root, ctx.manifest, ctx.trusted)
     out = LocalStorage(ctx.out_root)
     sources = [reader.plain(rel, mmap=True) for rel in unit["in_rels"]]
-    tpl, _slots, shape_info = build_template(sources[0], reader.path(unit["in_rels"][0]))
+    tpl, _slots, shape_info = build_template(sources[0], reader.where(unit["in_rels"][0]))
     g_in, full_in, g_out, full_out, r = unit["g_in"], unit["full_in"], unit["g_out"], unit["full_out"], unit["r"]
     metas = []
 
@@ -733,7 +734,7 @@ def _run_plain_unit(unit: dict) -> List[tuple]:
             e_size = unit.get("ep", 1) if expert_from is not None and slot.param >= expert_from else 1
             geo = Geometry(shape_info[slot.param], g_in // e_size, full_in, g_out // e_size, full_out)
             rows, tail = geo.rows_tail
-            where = [f"{reader.path(rel)} [{'/'.join(map(str, slot.path))}]" for rel in unit["in_rels"]]
+            where = [f"{reader.where(rel)} [{'/'.join(map(str, slot.path))}]" for rel in unit["in_rels"]]
             e = r % e_size   # an expert parameter: the DP ranks of this EP rank, in expert-DP order
 
             def load(j):

@@ -47,7 +47,7 @@ def _layout_rank(rank, world, root, tp, pp, use_xser, node_local=False):
 
     reads = []
     original = reader.FileReader.read
-    original_direct = reader.FileReader._load_tensor_direct   # tensor files read straight into tensors
+    original_direct = reader.FileReader._load_tensor_mapped   # tensor files read straight into tensors
 
     def direct(self, rel):
         tensor = original_direct(self, rel)
@@ -56,11 +56,11 @@ def _layout_rank(rank, world, root, tp, pp, use_xser, node_local=False):
         return tensor
 
     reader.FileReader.read = lambda self, rel: (reads.append(rel), original(self, rel))[1]
-    reader.FileReader._load_tensor_direct = direct
+    reader.FileReader._load_tensor_mapped = direct
     uc = nxd_ckpt.load_checkpoint(root, model=fresh, optimizer=fresh_opt, scheduler=fresh_sched,
                                   node_local=node_local)
     reader.FileReader.read = original
-    reader.FileReader._load_tensor_direct = original_direct
+    reader.FileReader._load_tensor_mapped = original_direct
     assert uc == {"step": 2, "note": "hi"}
     assert all(p.device.type == "xla" for p in fresh.parameters())
     assert_bit_equal(saved_model, to_cpu_state(fresh.state_dict()), "model")
