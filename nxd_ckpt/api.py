@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import glob
 import logging
-import os
 import time
 from typing import List, Optional
 
@@ -42,8 +41,7 @@ def save_checkpoint(checkpoint_dir_str, tag, model=None, optimizer=None, schedul
                              avoid_saving_lower_precision_weights)
     root = check_location(checkpoint_dir_str)
     storage = open_storage(root, timeout_s=timeout_s, workers=num_workers)
-    if storage.caps.local:
-        _check_writable(root)
+    storage.check_writable("checkpoint_dir")
     if host_memory_budget is not None and (not isinstance(host_memory_budget, int) or host_memory_budget <= 0):
         raise CheckpointArgumentError(f"host_memory_budget must be a positive number of bytes, got {host_memory_budget!r}")
     engine = get_engine()
@@ -60,21 +58,6 @@ def save_checkpoint(checkpoint_dir_str, tag, model=None, optimizer=None, schedul
     engine.last_ordering_wait_s = 0.0
     if not async_save:
         engine.wait(job, timeout_s + 60)
-
-
-def _check_writable(root: str) -> None:
-    if os.path.exists(root):
-        if not os.path.isdir(root):
-            raise CheckpointArgumentError(f"checkpoint_dir {root!r} exists and is not a directory; pass a directory")
-        probe = root
-    else:
-        probe = os.path.dirname(os.path.abspath(root))
-        while probe and not os.path.exists(probe):
-            probe = os.path.dirname(probe)
-    if not os.access(probe, os.W_OK | os.X_OK):
-        raise CheckpointArgumentError(
-            f"checkpoint_dir {root!r} is not writable by this process ({probe!r} denies write); "
-            "fix its permissions or choose another directory")
 
 
 def finalize_checkpoint(*, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
@@ -112,7 +95,7 @@ def load_checkpoint(path, tag=None, model=None, optimizer=None, scheduler=None, 
         if not storage.isdir(""):
             raise CheckpointNotFoundError(f"checkpoint directory {root!r} does not exist")
         with hostgroups.timeout(timeout_s):
-            return _load_newest(storage, root, tag, model, optimizer, scheduler, num_workers, strict, ignore_keys,
+            return _load_newest(storage, tag, model, optimizer, scheduler, num_workers, strict, ignore_keys,
                                 trusted, node_local, reshard)
     except S3Error as exc:
         raise RankFailureError(f"load_checkpoint from {root}: {exc}. Nothing was changed on this rank") from exc
@@ -124,7 +107,7 @@ def load_checkpoint(path, tag=None, model=None, optimizer=None, scheduler=None, 
             f"dead): {str(exc).splitlines()[0]}. Nothing was changed on this rank; check the other ranks' logs") from exc
 
 
-def _load_newest(storage, path, tag, model, optimizer, scheduler, num_workers, strict, ignore_keys, trusted,
+def _load_newest(storage, tag, model, optimizer, scheduler, num_workers, strict, ignore_keys, trusted,
                  node_local, reshard):
     tags = agreed_candidates(storage, tag, node_local)
     world = current_world()
@@ -143,7 +126,7 @@ def _load_newest(storage, path, tag, model, optimizer, scheduler, num_workers, s
         finally:
             engine.loading.discard(candidate)
     raise CorruptCheckpointError(
-        f"every complete checkpoint in {os.fspath(path)} is damaged; the last error: {last_error}. "
+        f"every complete checkpoint in {storage.root} is damaged; the last error: {last_error}. "
         "Run `nxd-ckpt verify` on the directory for details")
 
 

@@ -94,7 +94,7 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
                                    "converter flags; keeps sharded_master_weights; never modifies the input.",
                        epilog=zero1.EPILOG)
     zero1.add_arguments(p)
-    p.set_defaults(func=_cmd_convert)
+    p.set_defaults(func=_cmd_convert, reads_s3=True)
 
     p = sub.add_parser("export", help="merge the model's TP/PP shards into Hugging Face safetensors",
                        description="Merge the model's tensor-parallel shards (with the partition attributes "
@@ -103,7 +103,7 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
                                    "(or one model.safetensors).",
                        epilog=export.EPILOG)
     export.add_arguments(p)
-    p.set_defaults(func=_cmd_export)
+    p.set_defaults(func=_cmd_export, reads_s3=True)
 
     from . import convert
 
@@ -287,7 +287,7 @@ def convert_zero1_main(argv: Optional[List[str]] = None) -> int:
     parser = _Parser(prog=prog, description="Change the data-parallel size of a ZeRO-1 optimizer checkpoint "
                                             "(drop-in for neuronx-distributed's converter).", epilog=zero1.EPILOG)
     zero1.add_arguments(parser)
-    parser.set_defaults(func=_cmd_convert)
+    parser.set_defaults(func=_cmd_convert, reads_s3=True)
     return _run(parser, argv, prog)
 
 

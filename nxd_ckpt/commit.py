@@ -44,13 +44,19 @@ class CommitStrategy(ABC):
     def workdir(self, tag: str) -> str:
         ...
 
-    @abstractmethod
     def prepare(self, storage: Storage, tag: str, busy: Iterable[str] = ()) -> None:
-        ...
+        """Rank 0 of a save, before any rank writes: repair what a crash left, then ``begin``."""
+        self.repair(storage, busy)
+        self.begin(storage, tag)
 
     @abstractmethod
-    def publish(self, storage: Storage, tag: str, manifest: Manifest) -> None:
-        ...
+    def begin(self, storage: Storage, tag: str) -> None:
+        """Make ``workdir(tag)`` a fresh, incomplete tag holding only the `checkpoint` marker."""
+
+    @abstractmethod
+    def publish(self, storage: Storage, tag: str, manifest: Manifest, *, newest: bool = True) -> None:
+        """Write the manifest and `done`, and make ``tag`` complete under its name; then point `newest` at it
+        (``newest=False``: an offline tool's output, which is no training job's newest save)."""
 
     def abandon(self, storage: Storage, tag: str) -> None:
         """Rank 0 after a failed save: remove what it wrote (never a complete tag)."""
@@ -76,26 +82,22 @@ class RenameCommit(CommitStrategy):
     def workdir(self, tag: str) -> str:
         return staging_name(tag)
 
-    def prepare(self, storage: Storage, tag: str, busy: Iterable[str] = ()) -> None:
+    def begin(self, storage: Storage, tag: str) -> None:
         staging = staging_name(tag)
-        self.repair(storage, busy)
         if storage.exists(staging):
             delete_tag(storage, staging)
         storage.makedirs(staging)
         storage.write_bytes(f"{staging}/{layout.CHECKPOINT_MARKER}", b"1")
 
-    def publish(self, storage: Storage, tag: str, manifest: Manifest) -> None:
+    def publish(self, storage: Storage, tag: str, manifest: Manifest, *, newest: bool = True) -> None:
         staging = staging_name(tag)
         body = manifest.body()
         storage.write_bytes(f"{staging}/{layout.MANIFEST_FILE}", body)
         storage.write_bytes(f"{staging}/{layout.DONE_MARKER}", seal(body))
         storage.sync_dirs([staging])
-        if storage.exists(tag):
-            _replace_tag(storage, staging, tag)
-        else:
-            storage.rename(staging, tag)
-        storage.sync_dirs([""])
-        _update_newest(storage, tag)
+        place_tree(storage, staging, tag)
+        if newest:
+            _update_newest(storage, tag)
 
     def recoverable(self, storage: Storage, busy: Iterable[str] = ()) -> Dict[str, str]:
         return _recoverable_renames(storage, busy)
@@ -125,12 +127,12 @@ class MarkerCommit(CommitStrategy):
     def workdir(self, tag: str) -> str:
         return tag
 
-    def prepare(self, storage: Storage, tag: str, busy: Iterable[str] = ()) -> None:
+    def begin(self, storage: Storage, tag: str) -> None:
         if storage.exists(tag):
             delete_tag(storage, tag)        # `done` first: the old version is never complete-looking again
         storage.write_bytes(f"{tag}/{layout.CHECKPOINT_MARKER}", b"1")
 
-    def publish(self, storage: Storage, tag: str, manifest: Manifest) -> None:
+    def publish(self, storage: Storage, tag: str, manifest: Manifest, *, newest: bool = True) -> None:
         body = manifest.body()
         storage.write_bytes(f"{tag}/{layout.MANIFEST_FILE}", body)
         try:
@@ -139,7 +141,8 @@ class MarkerCommit(CommitStrategy):
             raise CommitConflictError(
                 f"{storage.root}/{tag}/{layout.DONE_MARKER} appeared while this job was saving {tag!r}: another job "
                 "committed the same tag. Each job needs its own checkpoint directory or tags") from None
-        _update_newest(storage, tag)
+        if newest:
+            _update_newest(storage, tag)
 
 
 def strategy_for(storage: Storage) -> CommitStrategy:
@@ -163,6 +166,16 @@ def _update_newest(storage: Storage, tag: str) -> None:
     except Exception as exc:  # noqa: BLE001 - the tag is complete; `newest` is informational only
         log.warning("nxd_ckpt: checkpoint %s is complete but %s could not be updated: %s (load_checkpoint does not "
                     "rely on it; the next save rewrites it)", tag, layout.NEWEST_FILE, exc)
+
+
+def place_tree(storage: Storage, staging: str, name: str) -> None:
+    """Rename the finished directory ``staging`` to ``name`` (POSIX), replacing an existing ``name`` only
+    once the new tree is complete (``_replace_tag``), and make the rename durable."""
+    if storage.exists(name):
+        _replace_tag(storage, staging, name)
+    else:
+        storage.rename(staging, name)
+    storage.sync_dirs([""])
 
 
 def _replace_tag(storage: Storage, staging: str, tag: str) -> None:

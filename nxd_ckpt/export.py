@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import fnmatch
 import json
-import os
 import re
 import struct
 from dataclasses import dataclass, field
@@ -26,9 +25,8 @@ import xser
 
 from . import layout, masters
 from .errors import CheckpointArgumentError, CheckpointError, CorruptCheckpointError
-from .outdir import check_output_dir, progress_bar, staged_output
+from .outdir import check_output, output_tree, progress_bar
 from .partition import merge_tp
-from .storage import LocalStorage
 from .manifest import Manifest
 from .manifest import read as read_manifest
 from .reader import FileReader
@@ -188,11 +186,16 @@ class _Shard:
         return Leaf(self.rel, ref, dtype, shape, part)
 
     def _peek(self, tid: int) -> torch.Tensor:
-        path = self.reader.where(layout.tensor_path(self.rel, tid))
-        try:
-            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-        except Exception:  # noqa: BLE001 - fall back to a full, checked read
-            return self.reader.load_tensor(layout.tensor_path(self.rel, tid))
+        """The tensor, for its dtype and shape only: memory-mapped where the file is local (no read of its
+        data), else read (and checked) whole."""
+        rel = layout.tensor_path(self.rel, tid)
+        local = self.reader.storage.local_path(rel)
+        if local is not None:
+            try:
+                return torch.load(local, map_location="cpu", weights_only=True, mmap=True)
+            except Exception:  # noqa: BLE001 - fall back to a full, checked read
+                pass
+        return self.reader.load_tensor(rel)
 
     def load(self, leaf: Leaf) -> torch.Tensor:
         if xser.is_ref(leaf.ref) and self.masters is not None and leaf.ref.tid in self.masters.index:
@@ -212,12 +215,11 @@ class _Masters:
     """The tensors of one (tp, pp) model shard that lie in the ZeRO-1 master weights
     (avoid_saving_lower_precision_weights), joined from the DP shards on demand."""
 
-    def __init__(self, reader: FileReader, tagdir: str, shard: "_Shard", tp: int, pp: int):
-        folder = os.path.join(tagdir, layout.OPTIM_DIR)
-        names = sorted((s.dp, n) for s, n in layout.list_shard_files(folder).items()
+    def __init__(self, reader: FileReader, shard: "_Shard", tp: int, pp: int):
+        names = sorted((s.dp, n) for s, n in layout.list_shard_files(reader.storage, layout.OPTIM_DIR).items()
                        if s.tp == tp and s.pp == pp and s.ep is None)
         if not names:
-            raise ExportError(f"{tagdir} keeps its model weights as ZeRO-1 master weights but optim/ has no shard "
+            raise ExportError(f"{reader.storage.root} keeps its model weights as ZeRO-1 master weights but optim/ has no shard "
                               f"for tp rank {tp}, pp rank {pp}")
         self.reader = reader
         self.files = [f"{layout.OPTIM_DIR}/{n}" for _, n in names]
@@ -251,16 +253,17 @@ class _Masters:
         return masters.join_shards(parts, self.shape_info[i])
 
 
-def plan_export(tagdir: str, partitions: Sequence[Tuple[str, int, int]] = (), dtype: Optional[torch.dtype] = None,
+def plan_export(tagdir, partitions: Sequence[Tuple[str, int, int]] = (), dtype: Optional[torch.dtype] = None,
                 trusted: bool = False) -> Tuple[List[OutTensor], Dict[Tuple[int, int], _Shard], List[str]]:
-    """Every output tensor with its sources, full shape and output dtype; no tensor data is read."""
-    tagdir = os.path.abspath(tagdir)
-    folder = os.path.join(tagdir, layout.MODEL_DIR)
-    if not os.path.isdir(folder):
-        raise ExportError(f"{tagdir} has no model/ folder: the checkpoint was saved without a model")
-    manifest = read_manifest(tagdir)
-    reader = FileReader.at(tagdir, manifest, trusted)
-    names = layout.list_shard_files(folder)
+    """Every output tensor of tag ``tagdir`` (a path, URL or Storage) with its sources, full shape and output
+    dtype; no tensor data is read."""
+    st = layout.storage_at(tagdir)
+    folder = f"{st.root}/{layout.MODEL_DIR}"
+    if not st.isdir(layout.MODEL_DIR):
+        raise ExportError(f"{st.root} has no model/ folder: the checkpoint was saved without a model")
+    manifest = read_manifest(st)
+    reader = FileReader.at(st, manifest, trusted)
+    names = layout.list_shard_files(st, layout.MODEL_DIR)
     if any(s.ep is not None for s in names):
         raise ExportError(f"{folder} holds expert-parallel shards (ep_rank in the names); exporting them is not "
                           "supported yet")
@@ -274,12 +277,12 @@ def plan_export(tagdir: str, partitions: Sequence[Tuple[str, int, int]] = (), dt
             if layout.ShardName(0, tp, pp) not in names:
                 raise ExportError(f"{folder} lacks {layout.shard_filename(0, tp, pp)}: the checkpoint is incomplete")
     ntp = max(tps) + 1
-    from_masters = manifest.extra.get(masters.FLAG) if manifest is not None else layout.model_data_absent(tagdir)
-    xser_folder = from_masters or layout.folder_is_xser(folder)   # no .tensors folder when all data is in optim/
+    from_masters = manifest.extra.get(masters.FLAG) if manifest is not None else layout.model_data_absent(st)
+    xser_folder = from_masters or layout.folder_is_xser(st, layout.MODEL_DIR)   # no .tensors folder when all data is in optim/
     shards = {(s.tp, s.pp): _Shard(reader, f"{layout.MODEL_DIR}/{n}", manifest, xser_folder) for s, n in names.items()}
     if from_masters:
         for (tp, pp), sh in shards.items():
-            sh.masters = _Masters(reader, tagdir, sh, tp, pp)
+            sh.masters = _Masters(reader, sh, tp, pp)
     skipped = sorted({k for sh in shards.values() for k in sh.skipped if k})
     outs: Dict[str, OutTensor] = {}
     for pp in range(max(pps) + 1):
@@ -426,29 +429,33 @@ class ExportResult:
 def export_model(tagdir: str, output: str, *, max_shard_size="5GB", dtype: Optional[str] = None,
                  partitions: Sequence[str] = (), overwrite: bool = False, trusted: bool = False,
                  progress: Optional[bool] = None) -> ExportResult:
-    """Write the merged model of tag ``tagdir`` to ``output`` as safetensors files plus an index: the tag
-    read as full tensors (fullstate.read_tag, model only), written by ``write_safetensors``."""
+    """Write the merged model of tag ``tagdir`` to ``output`` (each a POSIX path or an ``s3://`` URL) as
+    safetensors files plus an index: the tag read as full tensors (fullstate.read_tag, model only), written
+    by ``write_safetensors``. Single process; blocks until the output is in place."""
     from .fullstate import read_tag
 
     max_bytes = parse_size(max_shard_size)
     target = parse_dtype(dtype)
     for p in partitions:
         parse_partition(p)
-    if not os.path.isdir(tagdir):
+    src = layout.storage_at(tagdir)
+    if not src.isdir(""):
         raise CheckpointArgumentError(f"{tagdir} is not a directory; pass DIR/TAG (see `nxd-ckpt ls DIR`)")
-    if not os.path.isfile(os.path.join(tagdir, layout.DONE_MARKER)):
+    if not src.isfile(layout.DONE_MARKER):
         raise CheckpointArgumentError(f"{tagdir} has no 'done' marker: its save never finished; export a complete tag")
-    dst = check_output_dir(tagdir, output, flag="--output", example="./hf_export", overwrite=overwrite)
-    state = read_tag(tagdir, partitions=partitions, trusted=trusted, optimizer=False)
+    dst = check_output(src, output, flag="--output", example="./hf_export", overwrite=overwrite)
+    state = read_tag(src, partitions=partitions, trusted=trusted, optimizer=False)
     files, total = write_safetensors(state.model, dst, max_bytes=max_bytes, dtype=target, progress=progress)
-    return ExportResult(dst, files, len(state.model), total, state.skipped,
+    return ExportResult(dst.root, files, len(state.model), total, state.skipped,
                         str(target).replace("torch.", "") if target else None)
 
 
-def write_safetensors(model, dst: str, *, max_bytes: int, dtype: Optional[torch.dtype] = None,
+def write_safetensors(model, dst, *, max_bytes: int, dtype: Optional[torch.dtype] = None,
                       progress: Optional[bool] = None) -> Tuple[List[str], int]:
-    """Sink: full tensors (fullstate.TensorSource, in order) as Hugging Face safetensors in ``dst``, one tensor
-    in memory at a time; floating-point tensors cast to ``dtype`` when given. Returns (file names, bytes)."""
+    """Sink: full tensors (fullstate.TensorSource, in order) as Hugging Face safetensors in ``dst`` (a path,
+    URL or Storage, checked with outdir.check_output), one tensor in memory at a time; floating-point tensors
+    cast to ``dtype`` when given. The index, when there is one, is written last (on an object store, where the
+    files appear one by one, a reader that finds the index finds every file). Returns (file names, bytes)."""
     outs, source = [], {}
     for t in model:
         out_dtype = dtype if (dtype is not None and t.dtype.is_floating_point) else t.dtype
@@ -459,8 +466,7 @@ def write_safetensors(model, dst: str, *, max_bytes: int, dtype: Optional[torch.
     groups = split_files(outs, max_bytes)
     n = len(groups)
     names = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
-    with progress_bar(sum(o.nbytes for o in outs), "export", progress) as bar, staged_output(dst) as stage:
-        store = LocalStorage(stage)
+    with progress_bar(sum(o.nbytes for o in outs), "export", progress) as bar, output_tree(dst) as store:
         for name, group in zip(names, groups):
             header = safetensors_header(group)
 
@@ -473,7 +479,7 @@ def write_safetensors(model, dst: str, *, max_bytes: int, dtype: Optional[torch.
                         bar.update(o.nbytes)
                     del t
 
-            store.write_file(name, produce)
+            store.write_file(name, produce, durable=False)
         total = sum(o.nbytes for o in outs)
         if n > 1:
             index = {"metadata": {"total_size": total},

@@ -126,30 +126,39 @@ def rule_partition(name: str, rules: Sequence[Tuple[str, int, int]]) -> Optional
 
 
 # --- reading a tag ----------------------------------------------------------------------------------
-def check_tag_dir(tagdir: str, flag: str = "SRC_TAG") -> str:
-    if not os.path.isdir(tagdir):
-        raise CheckpointArgumentError(f"{flag} {tagdir} is not a directory; pass DIR/TAG (see `nxd-ckpt ls DIR`)")
-    if not os.path.isfile(os.path.join(tagdir, layout.DONE_MARKER)):
-        raise CheckpointArgumentError(f"{flag} {tagdir} has no 'done' marker: its save never finished; pass a "
+def open_tag(tagdir, flag: str = "SRC_TAG"):
+    """The Storage of a complete tag given as a path, URL or Storage; CheckpointArgumentError otherwise."""
+    st = layout.storage_at(tagdir)
+    if not st.isdir(""):
+        raise CheckpointArgumentError(f"{flag} {st.root} is not a directory; pass DIR/TAG (see `nxd-ckpt ls DIR`)")
+    if not st.isfile(layout.DONE_MARKER):
+        raise CheckpointArgumentError(f"{flag} {st.root} has no 'done' marker: its save never finished; pass a "
                                       "complete tag (see `nxd-ckpt ls DIR`)")
-    return os.path.abspath(tagdir)
+    return st
 
 
-def read_tag(tagdir: str, *, partitions: Sequence[str] = (), trusted: bool = False, optimizer: bool = True) -> FullState:
-    """A tag as a FullState (nothing but ref pickles and small files read yet). Master weights, when the
-    ZeRO-1 state has them, stand in for the model tensors (recorded dtypes in ``model_dtypes``)."""
+def check_tag_dir(tagdir, flag: str = "SRC_TAG") -> str:
+    """``open_tag``'s root (an absolute path, or the URL)."""
+    return open_tag(tagdir, flag).root
+
+
+def read_tag(tagdir, *, partitions: Sequence[str] = (), trusted: bool = False, optimizer: bool = True) -> FullState:
+    """A tag (a path, URL or Storage) as a FullState (nothing but ref pickles and small files read yet).
+    Master weights, when the ZeRO-1 state has them, stand in for the model tensors (recorded dtypes in
+    ``model_dtypes``)."""
     from .export import _materialise, parse_partition, plan_export
 
-    tagdir = check_tag_dir(tagdir)
-    manifest = read_manifest(tagdir)
-    reader = FileReader.at(tagdir, manifest, trusted)
+    st = open_tag(tagdir)
+    tagdir = st.root
+    manifest = read_manifest(st)
+    reader = FileReader.at(st, manifest, trusted)
     rules = [parse_partition(p) for p in partitions]
-    outs, shards, skipped = plan_export(tagdir, rules, None, trusted)
+    outs, shards, skipped = plan_export(st, rules, None, trusted)
     model = [TensorSource(o.key, tuple(o.shape), o.src_dtype, _recorded_partition(o, rules),
                           lambda o=o: _materialise(o, shards)) for o in outs]
     stage_keys = {pp: list(shards[(0, pp)].flat) for (tp, pp) in shards if tp == 0}
     state = FullState(model, topology=dict(vars(manifest.topology)) if manifest is not None else {}, skipped=skipped)
-    if optimizer and os.path.isdir(os.path.join(tagdir, layout.OPTIM_DIR)):
+    if optimizer and st.isdir(layout.OPTIM_DIR):
         state.optim = _read_optim(reader, tagdir, {t.name: t for t in model}, stage_keys)
         _masters_as_model(state)
     state.scheduler = _small(reader, tagdir, layout.SCHEDULER_FILE)
@@ -172,7 +181,7 @@ def _recorded_partition(out, rules) -> Optional[Partition]:
 
 
 def _small(reader: FileReader, tagdir: str, name: str):
-    if not os.path.isfile(os.path.join(tagdir, name)):
+    if not reader.exists(name):
         return None
     return reader.plain(name, mmap=False)
 

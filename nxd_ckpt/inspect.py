@@ -17,6 +17,7 @@ from . import commit, layout, masters
 from .errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, UnsafeCheckpointError
 from .manifest import NO_MANIFEST as _NO_MANIFEST, Manifest, TagDescription, describe_tag
 from .storage import Storage
+from .storage.listed import listed
 from .manifest import read as read_manifest
 from .reader import FileReader
 from .verify import shard_refs, walk_refs
@@ -31,8 +32,8 @@ def _iso(ts: Optional[float]) -> Optional[str]:
 def _sizes(st: Storage, folder: str = ""):
     """(path relative to ``folder``, size) of every file under ``folder`` of ``st``."""
     base = f"{folder}/" if folder else ""
-    for rel in st.list(folder):
-        yield rel[len(base):], st.size(rel)
+    for rel, stat in st.list_stats(folder).items():
+        yield rel[len(base):], stat.size
 
 
 def derived_topology(tagdir) -> dict:
@@ -61,8 +62,8 @@ def _written_at(st: Storage, has_done: bool) -> Optional[float]:
 
 def tag_summary(tagdir, committed_at: Optional[float] = None) -> dict:
     """One row of `nxd-ckpt ls` for a tag (a path, URL or Storage rooted at it): status with a quick check
-    (presence and sizes, no checksums)."""
-    st = layout.storage_at(tagdir)
+    (presence and sizes, no checksums). Sizes come from one listing of the tag (see storage.listed)."""
+    st = listed(layout.storage_at(tagdir))
     tagdir = st.root
     has_done = st.isfile(layout.DONE_MARKER)
     row = {"tag": _name(st), "path": tagdir, "status": "complete" if has_done else "incomplete",
@@ -109,8 +110,9 @@ def tag_summary(tagdir, committed_at: Optional[float] = None) -> dict:
 def list_tags(checkpoint_dir) -> List[dict]:
     """Every tag under ``checkpoint_dir`` (a path, an ``s3://`` URL or a Storage), newest first, with status
     complete / incomplete / damaged (a quick check: files missing or of the wrong size; checksums are
-    `nxd-ckpt verify`'s job)."""
-    storage = layout.storage_at(checkpoint_dir)
+    `nxd-ckpt verify`'s job). The directory is listed once (on S3 one LIST request per 1,000 keys, no
+    request per file); then only each tag's manifest and `done` are read."""
+    storage = listed(layout.storage_at(checkpoint_dir))
     if not storage.isdir(""):
         raise CheckpointNotFoundError(f"{storage.root} is not a directory")
     dated = [(t.committed_at, tag_summary(storage.child(t.tag), t.committed_at))
@@ -233,7 +235,7 @@ def _files_per_shard(st: Storage, folder: str) -> dict:
 
 def describe(tagdir, tensors: bool = False, trusted: bool = False) -> dict:
     """Everything `nxd-ckpt info` shows about one tag (a path, an ``s3://`` URL or a Storage rooted at it)."""
-    st = layout.storage_at(tagdir)
+    st = listed(layout.storage_at(tagdir))
     tagdir = st.root
     if not st.isdir(""):
         raise CheckpointNotFoundError(f"{tagdir} does not exist; pass DIR/TAG (see `nxd-ckpt ls DIR`)")

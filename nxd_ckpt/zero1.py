@@ -8,15 +8,16 @@ The conversion streams: one parameter at a time, and within a parameter one stat
 only the input pieces that overlap the output piece being built and writes each output tensor file as soon as
 it is computed. Peak memory is therefore about two output pieces of the largest state tensor, not the state.
 
-Output is a complete tag (``checkpoint`` marker, model/ and the small files linked or copied, manifest with
-the new topology and the checksums of every file, ``done`` last), built in ``<output>.nxdtmp`` and renamed
-into place. The input is never modified.
+Input and output are paths or URLs (``s3://bucket/prefix``), read and written through Storage. Output is a
+complete tag (``checkpoint`` marker, model/ and the small files linked or copied, manifest with the new
+topology and the checksums of every file, ``done`` last), written through the commit strategy of its storage
+(``outdir.output_tag``: staged and renamed on POSIX, `done` last on an object store). The input is never
+modified.
 """
 from __future__ import annotations
 
 import copy
 import multiprocessing
-import os
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -28,10 +29,9 @@ import xser
 from . import layout, masters
 from . import manifest as manifest_mod
 from .errors import CheckpointArgumentError, CheckpointError, CorruptCheckpointError
-from .outdir import check_output_dir, progress_bar, staged_output
+from .outdir import TagOutput, check_output, output_tag, output_tree, progress_bar
 from .partition import make_piece, piece_rows as _per, rows_tail as _rows_tail
-from .storage import FileRecord, LocalStorage
-from .storage.local import file_crc32c
+from .storage import FileRecord, LocalStorage, Storage, forget_clients, open_storage
 from .manifest import read as read_manifest
 from .reader import FileReader
 
@@ -252,12 +252,12 @@ class Group:
         return self.ep if self.expert_from is not None and param >= self.expert_from else 1
 
 
-def _scan_optim(root: str, folder_rel: str) -> Tuple[Dict[tuple, Dict[int, str]], bool]:
+def _scan_optim(root: Storage, folder_rel: str) -> Tuple[Dict[tuple, Dict[int, str]], bool]:
     """{(ep, tp, pp): {dp (-1 for full): file name}} and whether the inputs are full files."""
-    folder = os.path.join(root, folder_rel) if folder_rel else root
+    folder = f"{root.root}/{folder_rel}" if folder_rel else root.root
     shards: Dict[tuple, Dict[int, str]] = {}
     fulls: Dict[tuple, Dict[int, str]] = {}
-    for name in sorted(os.listdir(folder)):
+    for name in root.listdir(folder_rel):
         s = layout.parse_shard_filename(name)
         if s is not None:
             shards.setdefault((s.ep, s.tp, s.pp), {})[s.dp] = name
@@ -268,7 +268,8 @@ def _scan_optim(root: str, folder_rel: str) -> Tuple[Dict[tuple, Dict[int, str]]
     if shards and fulls:
         raise Zero1FormatError(
             f"{folder} holds both dp_rank_* shards and full_* files; keep one kind (move the other away) and retry")
-    if not shards and not fulls and os.path.isfile(os.path.join(folder, layout.DCP_METADATA_FILE)):
+    dcp_metadata = f"{folder_rel}/{layout.DCP_METADATA_FILE}" if folder_rel else layout.DCP_METADATA_FILE
+    if not shards and not fulls and root.isfile(dcp_metadata):
         raise Zero1FormatError(
             f"{folder} holds a use_zero1_dcp optimizer (a torch.distributed.checkpoint): load_checkpoint reads it at "
             "any DP size directly, no conversion is needed")
@@ -304,7 +305,7 @@ def _ep_error(input_dir: str, problem: str) -> str:
             "expert parameters over expert-DP, so converting it needs the EP size and NxD's row-major rank grid")
 
 
-def expert_parallel_size(input_dir: str, tagdir: Optional[str], manifest: Optional[manifest_mod.Manifest],
+def expert_parallel_size(input_dir: str, tagdir: Optional[Storage], manifest: Optional[manifest_mod.Manifest],
                          groups_in: Dict[tuple, Dict[int, str]], legacy_names: bool = False) -> int:
     """EP of the input (1 without expert parallelism), from the manifest or the model/ file names. Raises
     Zero1FormatError, before anything is written, for what cannot be converted: optimizer files named by
@@ -320,7 +321,7 @@ def expert_parallel_size(input_dir: str, tagdir: Optional[str], manifest: Option
     topo = dict(vars(manifest.topology)) if manifest is not None else {}
     ep = int(topo.get("ep") or 1)
     if manifest is None and tagdir is not None:
-        model = layout.list_shard_files(os.path.join(tagdir, layout.MODEL_DIR))
+        model = layout.list_shard_files(tagdir, layout.MODEL_DIR)
         ep = 1 + max((sh.ep or 0 for sh in model), default=0)
     if ep > 1 and (topo.get("layout") or "row_major") != "row_major":
         raise Zero1FormatError(_ep_error(input_dir, f"it was saved at EP={ep} in the {topo['layout']} rank layout, "
@@ -392,69 +393,44 @@ class ConvertResult:
         return dict(self.__dict__)
 
 
-def _resolve_paths(input_dir: str, output_dir: str, overwrite: bool) -> Tuple[str, str]:
-    src = os.path.realpath(input_dir)
-    if not os.path.isdir(src):
+@dataclass
+class _Input:
+    """What convert-zero1 reads: the storage holding ``folder`` (a tag, or the parent of a bare optim/ folder)."""
+
+    root: Storage                  # the tag (tag mode) or the folder's parent
+    folder: str                    # the optimizer folder under ``root`` ('optim' for a tag)
+    tag_mode: bool                 # a whole tag: the output is a complete tag too
+    manifest: Optional[manifest_mod.Manifest]
+
+
+def _open_input(input_dir: str) -> _Input:
+    """The input as a Storage, checked: a complete tag with optim/, or an optimizer folder itself."""
+    src = open_storage(input_dir)
+    if not src.isdir(""):
         raise CheckpointArgumentError(f"--input_dir {input_dir} is not a directory; pass a checkpoint tag directory "
                                       "such as ckpts/step_1000")
-    dst = check_output_dir(input_dir, output_dir, flag="--output_dir", example="ckpts/step_1000_dp8",
-                           overwrite=overwrite)
-    return src, dst
+    if src.isdir(layout.OPTIM_DIR):
+        if not src.isfile(layout.DONE_MARKER):
+            raise CheckpointArgumentError(
+                f"{input_dir} has no 'done' marker: its save never finished, so its files may be incomplete. "
+                "Convert a complete tag (see `nxd-ckpt ls`)")
+        return _Input(src, layout.OPTIM_DIR, True, read_manifest(src))
+    if not any(layout.parse_shard_filename(n) or layout.parse_full_filename(n) for n in src.listdir("")):
+        raise Zero1FormatError(
+            f"{input_dir} has no optim/ folder: it holds no optimizer state to convert. Pass the tag directory "
+            "of a checkpoint saved with a ZeRO-1 optimizer (e.g. ckpts/step_1000, which contains optim/)")
+    try:
+        parent, name = src.parent()
+    except ValueError as exc:
+        raise CheckpointArgumentError(f"--input_dir {input_dir}: {exc}") from None
+    return _Input(parent, name, False, read_manifest(parent) if name == layout.OPTIM_DIR else None)
 
 
-def convert_zero1(input_dir: str, output_dir: str, *, to_full: bool = False, dp_size: Optional[int] = None,
-                  num_workers: int = 1, overwrite: bool = False, trusted: bool = False,
-                  progress: Optional[bool] = None) -> ConvertResult:
-    """Convert the ZeRO-1 optimizer state of tag ``input_dir`` to ``dp_size`` DP shards (or, with
-    ``to_full``, to one full file per (tp, pp)) in a new complete tag ``output_dir``.
-
-    ``input_dir`` may also be an ``optim/`` folder itself; then only optimizer files are written to
-    ``output_dir`` (NxD's converter's behaviour), without markers or manifest.
-    """
-    if not to_full:
-        if isinstance(dp_size, bool) or not isinstance(dp_size, int) or dp_size < 1:
-            raise CheckpointArgumentError(f"--dp_size must be a positive integer with --convert_to_sharded, got {dp_size!r}")
-    if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
-        raise CheckpointArgumentError(f"--num_workers must be a positive integer, got {num_workers!r}")
-    started = time.monotonic()
-    src, dst = _resolve_paths(input_dir, output_dir, overwrite)
-    tag_mode = os.path.isdir(os.path.join(src, layout.OPTIM_DIR))
-    if tag_mode:
-        in_root, in_folder = src, layout.OPTIM_DIR
-    else:
-        has_files = any(layout.parse_shard_filename(n) or layout.parse_full_filename(n) for n in os.listdir(src))
-        if not has_files:
-            raise Zero1FormatError(
-                f"{input_dir} has no optim/ folder: it holds no optimizer state to convert. Pass the tag directory "
-                "of a checkpoint saved with a ZeRO-1 optimizer (e.g. ckpts/step_1000, which contains optim/)")
-        in_root, in_folder = os.path.dirname(src), os.path.basename(src)
-    manifest = read_manifest(in_root) if tag_mode or os.path.basename(src) == layout.OPTIM_DIR else None
-    if tag_mode and not os.path.isfile(os.path.join(src, layout.DONE_MARKER)):
-        raise CheckpointArgumentError(
-            f"{input_dir} has no 'done' marker: its save never finished, so its files may be incomplete. "
-            "Convert a complete tag (see `nxd-ckpt ls`)")
-    reader = FileReader.at(in_root, manifest, trusted)
-    in_prefix = f"{in_folder}/" if in_folder else ""
-    groups_in, full_in = _scan_optim(in_root, in_folder)
-    legacy = layout.OPTIM_DIR in manifest_mod.legacy_ep_folders(manifest) and not full_in
-    if legacy:
-        groups_in = _from_legacy_ep_names(groups_in, manifest.topology.ep)
-    ep_size = expert_parallel_size(input_dir, src if tag_mode else None, manifest, groups_in, legacy)
-    if to_full and full_in:
-        raise CheckpointArgumentError(f"{input_dir} already holds full optimizer files; nothing to do with "
-                                      "--convert_to_full (use --convert_to_sharded --dp_size N)")
-    g_in = 1 if full_in else len(next(iter(groups_in.values())))
-    g_out = 1 if to_full else dp_size
-    out_prefix = f"{layout.OPTIM_DIR}/" if tag_mode else ""
-    xser_in = layout.folder_is_xser(os.path.join(in_root, in_folder))
-    plain_reader = reader
-    if not xser_in:
-        # Check each plain (torch.save) input file once, streaming; then read them memory-mapped unchecked.
-        for files in groups_in.values():
-            for name in files.values():
-                reader.check_file(in_prefix + name)
-        plain_reader = FileReader.at(in_root, None, trusted)
-
+def _plan_groups(inp: _Input, input_dir: str, groups_in, full_in: bool, g_in: int, g_out: int, to_full: bool,
+                 ep_size: int, xser_in: bool, reader: FileReader, plain_reader: FileReader) -> List[Group]:
+    """One Group per (ep, tp, pp): its input and output files and the template of its state."""
+    in_prefix = f"{inp.folder}/" if inp.folder else ""
+    out_prefix = f"{layout.OPTIM_DIR}/" if inp.tag_mode else ""
     groups: List[Group] = []
     for key in sorted(groups_in, key=lambda k: (k[0] or 0, k[1], k[2])):
         ep, tp, pp = key
@@ -477,42 +453,122 @@ def convert_zero1(input_dir: str, output_dir: str, *, to_full: bool = False, dp_
                     raise Zero1FormatError(f"{reader.where(in_rels[j])} is not a ZeRO-1 optimizer state, "
                                            f"unlike {reader.where(in_rels[0])}")
         groups.append(grp)
+    return groups
 
-    records: Dict[str, FileRecord] = {}
-    optim_tensors: Dict[str, dict] = {}
+
+def convert_zero1(input_dir: str, output_dir: str, *, to_full: bool = False, dp_size: Optional[int] = None,
+                  num_workers: int = 1, overwrite: bool = False, trusted: bool = False,
+                  progress: Optional[bool] = None) -> ConvertResult:
+    """Convert the ZeRO-1 optimizer state of tag ``input_dir`` to ``dp_size`` DP shards (or, with
+    ``to_full``, to one full file per (tp, pp)) in a new complete tag ``output_dir``. Both are POSIX paths
+    or object-store URLs (``s3://bucket/prefix``). Single process (``num_workers`` worker processes).
+
+    ``input_dir`` may also be an ``optim/`` folder itself; then only optimizer files are written to
+    ``output_dir`` (NxD's converter's behaviour), without markers or manifest.
+    """
+    if not to_full:
+        if isinstance(dp_size, bool) or not isinstance(dp_size, int) or dp_size < 1:
+            raise CheckpointArgumentError(f"--dp_size must be a positive integer with --convert_to_sharded, got {dp_size!r}")
+    if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
+        raise CheckpointArgumentError(f"--num_workers must be a positive integer, got {num_workers!r}")
+    started = time.monotonic()
+    inp = _open_input(input_dir)
+    dst = check_output(inp.root if inp.tag_mode else inp.root.child(inp.folder), output_dir, flag="--output_dir",
+                       example="ckpts/step_1000_dp8", overwrite=overwrite)
+    manifest = inp.manifest
+    reader = FileReader.at(inp.root, manifest, trusted)
+    groups_in, full_in = _scan_optim(inp.root, inp.folder)
+    legacy = layout.OPTIM_DIR in manifest_mod.legacy_ep_folders(manifest) and not full_in
+    if legacy:
+        groups_in = _from_legacy_ep_names(groups_in, manifest.topology.ep)
+    ep_size = expert_parallel_size(input_dir, inp.root if inp.tag_mode else None, manifest, groups_in, legacy)
+    if to_full and full_in:
+        raise CheckpointArgumentError(f"{input_dir} already holds full optimizer files; nothing to do with "
+                                      "--convert_to_full (use --convert_to_sharded --dp_size N)")
+    g_in = 1 if full_in else len(next(iter(groups_in.values())))
+    g_out = 1 if to_full else dp_size
+    xser_in = layout.folder_is_xser(inp.root, inp.folder)
+    plain_reader = reader
+    if not xser_in:
+        # Check each plain (torch.save) input file once, streaming; then read them memory-mapped unchecked.
+        in_prefix = f"{inp.folder}/" if inp.folder else ""
+        for files in groups_in.values():
+            for name in files.values():
+                reader.check_file(in_prefix + name)
+        plain_reader = FileReader.at(inp.root, None, trusted)
+    groups = _plan_groups(inp, input_dir, groups_in, full_in, g_in, g_out, to_full, ep_size, xser_in, reader,
+                          plain_reader)
+    plan = _Plan(groups, g_in, full_in, g_out, to_full, xser_in, num_workers, progress)
     try:
-        with staged_output(dst) as stage:
-            out = LocalStorage(stage)
-            if tag_mode:
-                out.write_file(layout.CHECKPOINT_MARKER, lambda f: f.write(b"1"))
-            ctx = _WorkerContext(in_root, manifest if xser_in else None, trusted, stage)
-            if xser_in:
-                _convert_xser(groups, g_in, full_in, g_out, to_full, ctx, reader, out, records, optim_tensors,
-                              num_workers, progress)
-            else:
-                _convert_plain(groups, g_in, full_in, g_out, to_full, ctx, records, optim_tensors, num_workers,
-                               progress)
-            _fsync_files(stage, [rel for rel in records])
-            written = list(records.values())
-            linked = copied = 0
-            if tag_mode:
-                linked, copied = _copy_rest(src, stage, manifest, records)
-                _write_manifest(out, os.path.basename(dst), manifest, src, groups, g_out, to_full, xser_in,
-                                records, optim_tensors)
+        if inp.tag_mode:
+            with output_tag(dst) as tag_out:
+                written, linked, copied = _write(plan, inp, reader, tag_out.storage, trusted, tag_out)
+        else:
+            with output_tree(dst) as out:
+                written, linked, copied = _write(plan, inp, reader, out, trusted, None)
     finally:
         _BUFFERS.clear()
     nparams = sum(len(g.shape_info) for g in groups)
-    return ConvertResult(dst, None if full_in else g_in, None if to_full else g_out, xser_in, len(groups), nparams,
-                         sum(r.size for r in written), len(written), linked, copied, time.monotonic() - started)
+    return ConvertResult(dst.root, None if full_in else g_in, None if to_full else g_out, xser_in, len(groups),
+                         nparams, sum(r.size for r in written), len(written), linked, copied,
+                         time.monotonic() - started)
 
+
+@dataclass
+class _Plan:
+    groups: List[Group]
+    g_in: int
+    full_in: bool
+    g_out: int
+    full_out: bool
+    xser: bool
+    num_workers: int
+    progress: Optional[bool]
+
+
+def _write(plan: _Plan, inp: _Input, reader: FileReader, out: Storage, trusted: bool,
+           tag_out: Optional[TagOutput]) -> Tuple[List[FileRecord], int, int]:
+    """Write every converted optimizer file into ``out``; in tag mode also the rest of the tag and its
+    manifest (``tag_out.commit``). Returns (the optimizer files' records, files linked, files copied)."""
+    records: Dict[str, FileRecord] = {}
+    optim_tensors: Dict[str, dict] = {}
+    ctx = _WorkerContext(inp.root.root, plan.xser and inp.manifest or None, trusted, out.root, inp.root, out)
+    if plan.xser:
+        _convert_xser(plan.groups, plan.g_in, plan.full_in, plan.g_out, plan.full_out, ctx, reader, out, records,
+                      optim_tensors, plan.num_workers, plan.progress)
+    else:
+        _convert_plain(plan.groups, plan.g_in, plan.full_in, plan.g_out, plan.full_out, ctx, records,
+                       optim_tensors, plan.num_workers, plan.progress)
+    written = list(records.values())
+    linked = copied = 0
+    if tag_out is not None:
+        linked, copied = _copy_rest(inp.root, out, inp.manifest, records)
+        tag_out.commit(_manifest(tag_out.name, inp.manifest, inp.root, plan.g_out, plan.full_out, plan.xser, records,
+                                 optim_tensors))
+    return written, linked, copied
 
 # --- workers --------------------------------------------------------------------------------------
 @dataclass
 class _WorkerContext:
+    """What a conversion unit needs: the input and output locations (paths or URLs, which a worker process
+    opens itself) and, in the converting process, the open Storages."""
+
     in_root: str
     manifest: Optional[manifest_mod.Manifest]
     trusted: bool
     out_root: str
+    in_storage: Optional[Storage] = None
+    out_storage: Optional[Storage] = None
+
+    def for_worker(self) -> "_WorkerContext":
+        return _WorkerContext(self.in_root, self.manifest, self.trusted, self.out_root)
+
+    def shareable(self) -> bool:
+        """Whether worker processes can open both locations (an in-process ``mem://`` store they cannot)."""
+        return not any(r.startswith("mem://") for r in (self.in_root, self.out_root))
+
+    def reader(self) -> FileReader:
+        return FileReader.at(self.in_storage, self.manifest, self.trusted)
 
 
 _CTX: Optional[_WorkerContext] = None
@@ -545,7 +601,10 @@ _BUFFERS = BufferRing(2)   # per process: two pieces, one being written while th
 
 
 def _init_worker(ctx: _WorkerContext) -> None:
+    """A worker process: open both locations afresh (a forked S3 client is the parent's)."""
     global _CTX
+    forget_clients()
+    ctx.in_storage, ctx.out_storage = open_storage(ctx.in_root), open_storage(ctx.out_root)
     _CTX = ctx
     torch.set_num_threads(1)
 
@@ -563,8 +622,7 @@ def _run_unit(unit: dict) -> List[tuple]:
     from concurrent.futures import ThreadPoolExecutor
 
     ctx = _CTX
-    reader = FileReader.at(ctx.in_root, ctx.manifest, ctx.trusted)
-    out = LocalStorage(ctx.out_root)
+    reader, out = ctx.reader(), ctx.out_storage
     geo: Geometry = unit["geometry"]
     results = []
     pending: List = []
@@ -594,7 +652,7 @@ def _run_unit(unit: dict) -> List[tuple]:
 def _pool_map(fn, units: List, ctx: _WorkerContext, num_workers: int, progress, desc: str, weight):
     """Yield fn(unit) for each unit, in worker processes when num_workers > 1, with a tqdm bar on a tty."""
     with progress_bar(sum(weight(u) for u in units), desc, progress) as bar:
-        if num_workers <= 1 or len(units) <= 1:
+        if num_workers <= 1 or len(units) <= 1 or not ctx.shareable():
             _init_worker_inline(ctx)
             # Copies of a few MB gain nothing from intra-op threads, and on a busy host they lose.
             threads = torch.get_num_threads()
@@ -610,7 +668,7 @@ def _pool_map(fn, units: List, ctx: _WorkerContext, num_workers: int, progress, 
         else:
             method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
             mp = multiprocessing.get_context(method)
-            with mp.Pool(min(num_workers, len(units)), initializer=_init_worker, initargs=(ctx,)) as pool:
+            with mp.Pool(min(num_workers, len(units)), initializer=_init_worker, initargs=(ctx.for_worker(),)) as pool:
                 for u, res in pool.imap_unordered(_tagged(fn), [(i, u) for i, u in enumerate(units)]):
                     if bar is not None:
                         bar.update(weight(units[u]))
@@ -641,7 +699,7 @@ def _nbytes(shape, dtype_size: int = 4) -> int:
 
 
 def _convert_xser(groups: List[Group], g_in: int, full_in: bool, g_out: int, full_out: bool, ctx: _WorkerContext,
-                  reader: FileReader, out: LocalStorage, records: Dict[str, FileRecord],
+                  reader: FileReader, out: Storage, records: Dict[str, FileRecord],
                   optim_tensors: Dict[str, dict], num_workers: int, progress) -> None:
     units = []
     group_plans = []
@@ -719,8 +777,7 @@ def _convert_xser(groups: List[Group], g_in: int, full_in: bool, g_out: int, ful
 def _run_plain_unit(unit: dict) -> List[tuple]:
     """Non-xser: build output rank r's whole state (inputs memory-mapped) and torch.save it."""
     ctx = _CTX
-    reader = FileReader.at(ctx.in_root, ctx.manifest, ctx.trusted)
-    out = LocalStorage(ctx.out_root)
+    reader, out = ctx.reader(), ctx.out_storage
     sources = [reader.plain(rel, mmap=True) for rel in unit["in_rels"]]
     tpl, _slots, shape_info = build_template(sources[0], reader.where(unit["in_rels"][0]))
     g_in, full_in, g_out, full_out, r = unit["g_in"], unit["full_in"], unit["g_out"], unit["full_out"], unit["r"]
@@ -776,56 +833,40 @@ def _convert_plain(groups: List[Group], g_in: int, full_in: bool, g_out: int, fu
 _SKIP_TOP = {layout.OPTIM_DIR, layout.CHECKPOINT_MARKER, layout.DONE_MARKER, layout.MANIFEST_FILE}
 
 
-def _copy_rest(src: str, stage: str, manifest: Optional[manifest_mod.Manifest], records: Dict[str, FileRecord]) -> Tuple[int, int]:
-    """Hard-link (same filesystem) or copy everything of the input tag but optim/ and the markers."""
+def _copy_rest(src: Storage, out: Storage, manifest: Optional[manifest_mod.Manifest],
+               records: Dict[str, FileRecord]) -> Tuple[int, int]:
+    """Hard-link (one POSIX filesystem) or copy everything of the input tag but optim/ and the markers.
+    A copied file is checked against the input's manifest on the bytes copied: damage is never carried
+    into the new tag under a fresh checksum."""
     known = manifest.files if manifest else {}
     linked = copied = 0
-    for root, dirs, names in os.walk(src):
-        rel_root = os.path.relpath(root, src)
-        if rel_root == ".":
-            dirs[:] = [d for d in dirs if d not in _SKIP_TOP and not d.endswith(layout.TMP_SUFFIX)]
-            names = [n for n in names if n not in _SKIP_TOP]
-        dirs.sort()
-        for n in sorted(names):
-            if n.endswith(layout.TMP_SUFFIX):
+    for top in src.listdir(""):
+        if top in _SKIP_TOP or top.endswith(layout.TMP_SUFFIX):
+            continue
+        rels = src.list(top) if src.isdir(top) else [top]
+        for rel in rels:
+            if any(part.endswith(layout.TMP_SUFFIX) for part in rel.split("/")):
                 continue
-            rel = n if rel_root == "." else f"{rel_root.replace(os.sep, '/')}/{n}"
-            s_path, d_path = os.path.join(src, rel), os.path.join(stage, rel)
-            os.makedirs(os.path.dirname(d_path), exist_ok=True)
-            try:
-                os.link(s_path, d_path)
+            entry = known.get(rel)
+            if out.link_from(src, rel, rel):
                 linked += 1
-                entry = known.get(rel)
-                size = os.path.getsize(d_path)
+                size = out.size(rel)
                 if entry is not None and entry.size == size:
                     records[rel] = FileRecord(rel, size, int(entry.crc32c, 16))
                 else:
-                    size, crc = file_crc32c(d_path)
-                    records[rel] = FileRecord(rel, size, crc)
-            except OSError:
-                records[rel] = _copy_file(s_path, d_path, rel)
-                copied += 1
+                    records[rel] = FileRecord(rel, *out.crc32c(rel))
+                continue
+            rec = out.copy_from(src, rel, rel, durable=False)
+            if entry is not None:
+                entry.check(rec.size, rec.crc32c, f"{src.root}/{rel}")
+            records[rel] = rec
+            copied += 1
     return linked, copied
 
 
-def _copy_file(s_path: str, d_path: str, rel: str) -> FileRecord:
-    store = LocalStorage(os.path.dirname(d_path))
-
-    def produce(f):
-        with open(s_path, "rb", buffering=0) as inp:
-            while True:
-                block = inp.read(8 << 20)
-                if not block:
-                    break
-                f.write(block)
-
-    rec = store.write_file(os.path.basename(d_path), produce)
-    return FileRecord(rel, rec.size, rec.crc32c)
-
-
-def _write_manifest(out: LocalStorage, tag: str, in_manifest: Optional[manifest_mod.Manifest], src: str, groups: List[Group],
-                    g_out: int, full_out: bool, xser_out: bool, records: Dict[str, FileRecord],
-                    optim_tensors: Dict[str, dict]) -> None:
+def _manifest(tag: str, in_manifest: Optional[manifest_mod.Manifest], src: Storage, g_out: int, full_out: bool,
+              xser_out: bool, records: Dict[str, FileRecord], optim_tensors: Dict[str, dict]) -> manifest_mod.Manifest:
+    """The new tag's manifest: the input's topology at the new DP size, every file's size and CRC32C."""
     if in_manifest is not None:
         topo = dict(vars(in_manifest.topology))
     else:
@@ -838,8 +879,7 @@ def _write_manifest(out: LocalStorage, tag: str, in_manifest: Optional[manifest_
     pp = int(topo.get("pp") or 1)
     dp = g_out   # ZeRO-1 files are named by the full DP rank, with or without EP
     topo.update(tp=tp, pp=pp, cp=cp, ep=ep, dp=dp, world_size=tp * pp * dp * cp)
-    flags = {"zero1": True, "xser": xser_out,
-             "has_model": os.path.isdir(os.path.join(src, layout.MODEL_DIR)), "has_optim": True}
+    flags = {"zero1": True, "xser": xser_out, "has_model": src.isdir(layout.MODEL_DIR), "has_optim": True}
     if full_out:
         flags["zero1_full"] = True
     if (in_manifest.extra.get(masters.FLAG) if in_manifest is not None else layout.model_data_absent(src)):
@@ -859,11 +899,9 @@ def _write_manifest(out: LocalStorage, tag: str, in_manifest: Optional[manifest_
                         if not k.startswith(layout.OPTIM_DIR + "/")})
     tensors.update(optim_tensors)
     man = manifest_mod.build(tag, topo, flags, files, tensors)
-    man.extra["converted_from"] = {"path": src, "tag": os.path.basename(src),
+    man.extra["converted_from"] = {"path": src.root, "tag": src.root.rstrip("/").rpartition("/")[2],
                                    "dp": in_manifest.topology.dp if in_manifest else None}
-    body = man.body()
-    out.write_bytes(layout.MANIFEST_FILE, body)
-    out.write_bytes(layout.DONE_MARKER, manifest_mod.seal(body))
+    return man
 
 
 def _rank_of(rel: str, topo: dict) -> int:
@@ -881,19 +919,8 @@ def _rank_of(rel: str, topo: dict) -> int:
 
 
 def _fsync_files(root: str, rels: List[str]) -> None:
-    """Make the files written without fsync durable (the kernel has been writing them back meanwhile, so
-    this overlaps disk writes with the conversion instead of waiting for each file)."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    def sync(rel):
-        fd = os.open(os.path.join(root, rel), os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-    with ThreadPoolExecutor(max_workers=8) as pool:
-        list(pool.map(sync, rels))
+    """Make files written without fsync durable (tagwrite's local staging directory)."""
+    LocalStorage(root).sync_files(rels)
 
 
 # --- command line ---------------------------------------------------------------------------------------

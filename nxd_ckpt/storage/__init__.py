@@ -20,8 +20,8 @@ _S3_BUCKETS: dict = {}
 
 def check_location(path, *, offline_tool: bool = False) -> str:
     """``path`` as a string, or CheckpointArgumentError when it is a URL whose scheme no backend here serves,
-    or (``offline_tool``) an ``s3://`` URL given to an `nxd-ckpt` command that reads POSIX paths only (every
-    command but ls, info and verify).
+    or (``offline_tool``) an ``s3://`` URL given to an `nxd-ckpt` command that reads POSIX paths only
+    (import, reshard, to-dcp, from-dcp).
     Every entry point and tool calls this first."""
     text = os.fspath(path) if not isinstance(path, str) and hasattr(path, "__fspath__") else path
     if isinstance(text, bytes):
@@ -33,8 +33,8 @@ def check_location(path, *, offline_tool: bool = False) -> str:
         if scheme == "s3" and offline_tool:
             raise CheckpointArgumentError(
                 f"{text!r} is an s3:// URL; this nxd-ckpt command reads and writes POSIX paths only (`nxd-ckpt "
-                "ls|info|verify`, save_checkpoint and load_checkpoint take s3:// URLs). Copy the tag to local disk "
-                f"first (aws s3 sync {text} ./local_copy) and pass that path.")
+                "ls|info|verify|convert-zero1|export`, save_checkpoint and load_checkpoint take s3:// URLs). Copy "
+                f"the tag to local disk first (aws s3 sync {text} ./local_copy) and pass that path.")
         if scheme != "s3" and scheme not in _ENABLED_TEST_SCHEMES:
             raise CheckpointArgumentError(
                 f"{text!r} is a {scheme}:// URL, which nxd-ckpt does not serve: pass a POSIX path (local disk, FSx "
@@ -79,5 +79,11 @@ def _open_s3(url: str, timeout_s, workers, client, endpoint_url) -> Storage:
     return ObjectStorage(shared.with_deadline(timeout_s) if timeout_s else shared, prefix, url)
 
 
+def forget_clients() -> None:
+    """In a process forked from one that used S3: drop the inherited clients and part pools (their
+    connections and threads belong to the parent), so the next ``open_storage`` makes fresh ones."""
+    _S3_BUCKETS.clear()
+
+
 __all__ = ["AlreadyExistsError", "Capabilities", "FileRecord", "Stat", "Storage", "LocalStorage", "ObjectStorage",
-           "check_location", "open_storage", "set_write_hook"]
+           "check_location", "forget_clients", "open_storage", "set_write_hook"]

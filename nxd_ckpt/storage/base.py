@@ -12,7 +12,7 @@ from __future__ import annotations
 import io
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Callable, Iterable, List, Optional
+from typing import Callable, Dict, Iterable, List, Optional, Tuple
 
 import crc32c as _crc32c
 
@@ -226,3 +226,40 @@ class Storage(ABC):
     @abstractmethod
     def child(self, relpath: str) -> "Storage":
         """The same backend rooted at ``relpath`` under this root."""
+
+    @abstractmethod
+    def parent(self) -> Tuple["Storage", str]:
+        """(the same backend rooted at the directory holding this root, this root's name in it).
+        ValueError when the root has no parent here (a bucket's top: a tool needs a prefix to write)."""
+
+    def list_stats(self, prefix: str = "") -> Dict[str, Stat]:
+        """{key: Stat} of every file under ``prefix``, like ``list``. Object stores answer from the listing
+        itself (one LIST request per 1,000 keys, no request per key)."""
+        return {rel: self.stat(rel) for rel in self.list(prefix)}
+
+    def canonical_root(self) -> str:
+        """The root as one spelling per location (symlinks resolved on POSIX), to tell whether two
+        Storages overlap."""
+        return self.root.rstrip("/")
+
+    def link_from(self, src: "Storage", src_rel: str, relpath: str) -> bool:
+        """Make ``relpath`` the same file as ``src``'s ``src_rel`` without copying bytes (a hard link on one
+        POSIX filesystem); False when this backend cannot (the caller copies)."""
+        return False
+
+    def copy_from(self, src: "Storage", src_rel: str, relpath: str, *, durable: bool = True) -> FileRecord:
+        """Copy ``src``'s file ``src_rel`` to ``relpath`` in blocks (never whole in memory); the record has the
+        CRC32C of the bytes written."""
+        total = src.size(src_rel)
+        block = max(READ_BLOCK, 32 << 20) if not src.caps.local else READ_BLOCK
+
+        def produce(f):
+            for off in range(0, total, block):
+                f.write(src.read(src_rel, off, min(block, total - off)))
+
+        return self.write_file(relpath, produce, durable=durable)
+
+    def check_writable(self, what: str = "directory") -> None:
+        """Raise CheckpointArgumentError (naming the root as ``what``) when a save here is bound to fail for a reason known up front (a
+        POSIX path that is a file, or a directory this process may not write). Object stores learn about
+        access only from the first request."""

@@ -86,6 +86,43 @@ class LocalStorage(Storage):
     def child(self, relpath: str) -> "LocalStorage":
         return LocalStorage(self.path(relpath))
 
+    def parent(self) -> Tuple["LocalStorage", str]:
+        up, name = os.path.split(self.root)
+        if not name:
+            raise ValueError(f"{self.root} is the filesystem root, which has no parent: pass a directory below it")
+        return LocalStorage(up), name
+
+    def canonical_root(self) -> str:
+        return os.path.realpath(self.root)
+
+    def link_from(self, src: Storage, src_rel: str, relpath: str) -> bool:
+        local = src.local_path(src_rel)
+        if local is None:
+            return False
+        dst = self.path(relpath)
+        os.makedirs(os.path.dirname(dst), exist_ok=True)
+        try:
+            os.link(local, dst)
+        except OSError:   # another filesystem, or one without hard links: the caller copies
+            return False
+        return True
+
+    def check_writable(self, what: str = "directory") -> None:
+        from ..errors import CheckpointArgumentError
+
+        if os.path.exists(self.root):
+            if not os.path.isdir(self.root):
+                raise CheckpointArgumentError(f"{what} {self.root!r} exists and is not a directory; pass a directory")
+            probe = self.root
+        else:
+            probe = os.path.dirname(self.root)
+            while probe and not os.path.exists(probe):
+                probe = os.path.dirname(probe)
+        if not os.access(probe, os.W_OK | os.X_OK):
+            raise CheckpointArgumentError(
+                f"{what} {self.root!r} is not writable by this process ({probe!r} denies write); fix its permissions or "
+                "choose another directory")
+
     def _sink(self, relpath: str, atomic: bool, exclusive: bool) -> Sink:
         return _FileSink(self.path(relpath), atomic, exclusive)
 

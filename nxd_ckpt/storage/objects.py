@@ -36,9 +36,10 @@ class Bucket(ABC):
     def head(self, key: str) -> Stat: ...
 
     @abstractmethod
-    def list_page(self, prefix: str, after: Optional[str]) -> Tuple[List[str], Optional[str]]:
-        """Up to ``page_size`` keys starting with ``prefix``, sorted, after the continuation token
-        ``after``; returns (keys, token for the next page or None at the end)."""
+    def list_page(self, prefix: str, after: Optional[str]) -> Tuple[List[Tuple[str, Stat]], Optional[str]]:
+        """Up to ``page_size`` (key, Stat) of the keys starting with ``prefix``, sorted, after the
+        continuation token ``after``; returns (entries, token for the next page or None at the end). The
+        sizes and times come with the listing (S3's LIST response has them): no request per key."""
 
     @abstractmethod
     def delete_batch(self, keys: List[str]) -> None:
@@ -90,24 +91,38 @@ class ObjectStorage(Storage):
     def child(self, relpath: str) -> "ObjectStorage":
         return type(self)(self.bucket, self.key(relpath), f"{self.root}/{relpath.strip('/')}")
 
+    def parent(self) -> Tuple["ObjectStorage", str]:
+        if not self.prefix:
+            raise ValueError(f"{self.root} is the top of its bucket, which has no parent: pass a prefix "
+                             f"({self.root}/NAME)")
+        up, _, name = self.prefix.rpartition("/")
+        return type(self)(self.bucket, up, self.root[: -len(name) - 1]), name
+
     def _sink(self, relpath: str, atomic: bool, exclusive: bool) -> Sink:
         return self.bucket.sink(self.key(relpath), exclusive)
 
     def read(self, relpath: str, offset: int = 0, length: Optional[int] = None) -> bytes:
         return self.bucket.get(self.key(relpath), offset, length)
 
-    def _keys(self, prefix: str, first_only: bool = False) -> List[str]:
-        out: List[str] = []
+    def _entries(self, prefix: str, first_only: bool = False) -> List[Tuple[str, Stat]]:
+        out: List[Tuple[str, Stat]] = []
         token = None
         while True:
-            keys, token = self.bucket.list_page(prefix, token)
-            out += keys
+            entries, token = self.bucket.list_page(prefix, token)
+            out += entries
             if token is None or (first_only and out):
                 return out
+
+    def _keys(self, prefix: str, first_only: bool = False) -> List[str]:
+        return [k for k, _ in self._entries(prefix, first_only)]
 
     def list(self, prefix: str = "") -> List[str]:
         base = self._dir_key("")
         return sorted(k[len(base):] for k in self._keys(self._dir_key(prefix)))
+
+    def list_stats(self, prefix: str = "") -> Dict[str, Stat]:
+        base = self._dir_key("")
+        return {k[len(base):]: st for k, st in sorted(self._entries(self._dir_key(prefix)))}
 
     def stat(self, relpath: str) -> Stat:
         return self.bucket.head(self.key(relpath))
@@ -153,11 +168,11 @@ class MemoryBucket(Bucket):
             data, mtime = self._objects[key]
         return Stat(len(data), mtime)
 
-    def list_page(self, prefix: str, after: Optional[str]) -> Tuple[List[str], Optional[str]]:
+    def list_page(self, prefix: str, after: Optional[str]) -> Tuple[List[Tuple[str, Stat]], Optional[str]]:
         with self._lock:
             keys = sorted(k for k in self._objects if k.startswith(prefix) and (after is None or k > after))
-        page = keys[: self.page_size]
-        return page, (page[-1] if len(keys) > self.page_size else None)
+            page = [(k, Stat(len(self._objects[k][0]), self._objects[k][1])) for k in keys[: self.page_size]]
+        return page, (page[-1][0] if len(keys) > self.page_size else None)
 
     def delete_batch(self, keys: List[str]) -> None:
         with self._lock:
@@ -208,12 +223,17 @@ class DirBucket(Bucket):
         st = os.stat(self._path(key))
         return Stat(st.st_size, st.st_mtime)
 
-    def list_page(self, prefix: str, after: Optional[str]) -> Tuple[List[str], Optional[str]]:
+    def list_page(self, prefix: str, after: Optional[str]) -> Tuple[List[Tuple[str, Stat]], Optional[str]]:
         keys = sorted(k for k in (urllib.parse.unquote(n) for n in os.listdir(self.directory)
                                   if not n.endswith(".part"))
                       if k.startswith(prefix) and (after is None or k > after))
-        page = keys[: self.page_size]
-        return page, (page[-1] if len(keys) > self.page_size else None)
+        page = []
+        for k in keys[: self.page_size]:
+            try:
+                page.append((k, self.head(k)))
+            except FileNotFoundError:
+                continue   # deleted since the directory was read
+        return page, (keys[self.page_size - 1] if len(keys) > self.page_size else None)
 
     def delete_batch(self, keys: List[str]) -> None:
         for k in keys:

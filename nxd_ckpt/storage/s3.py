@@ -173,13 +173,13 @@ class S3Bucket(Bucket):
         resp = self.call("head_object", key, Key=key)
         return Stat(int(resp["ContentLength"]), resp["LastModified"].timestamp())
 
-    def list_page(self, prefix: str, after: Optional[str]) -> Tuple[List[str], Optional[str]]:
+    def list_page(self, prefix: str, after: Optional[str]) -> Tuple[List[Tuple[str, Stat]], Optional[str]]:
         kw = {"Prefix": prefix, "MaxKeys": self.page_size}
         if after is not None:
             kw["ContinuationToken"] = after
         resp = self.call("list_objects_v2", prefix, **kw)
-        keys = [o["Key"] for o in resp.get("Contents", [])]
-        return keys, (resp.get("NextContinuationToken") if resp.get("IsTruncated") else None)
+        entries = [(o["Key"], Stat(int(o["Size"]), o["LastModified"].timestamp())) for o in resp.get("Contents", [])]
+        return entries, (resp.get("NextContinuationToken") if resp.get("IsTruncated") else None)
 
     def delete_batch(self, keys: List[str]) -> None:
         if not keys:
