@@ -126,7 +126,7 @@ def check_topology(tag: str, saved: dict, world: World, loading_optim: bool) -> 
     if loading_optim and saved.get("zero1_dcp"):
         hint += ("; its use_zero1_dcp optimizer loads only at the saved TP and PP sizes (with optimizer=None and "
                  "reshard=True the model alone is resharded)")
-    elif saved.get("ep", 1) == topo.ep == 1:
+    elif (saved.get("cp") or 1) == topo.cp == 1:
         hint += "; or let load_checkpoint reshard it at load time (reshard=True, the default)"
     raise TopologyMismatchError(
         f"checkpoint {tag!r} was saved at {was}{' with ZeRO-1' if saved.get('zero1') else ''} and this job runs "

@@ -8,6 +8,10 @@ resharding go through these, so each layout fact lives here once.
   ``r, tp + r, 2*tp + r, ...`` (s blocks, Megatron's strided split; s = 1 is a plain chunk).
 - ZeRO-1: a (TP-local) tensor is flattened to rows along dim 0 (a 0-d tensor is one row), padded with zeros
   to a multiple of the group size G and cut into G pieces; DP rank d holds piece d.
+- Expert parallel (NxD's ``ExpertFused*Linear``, ``checkpoint_converter.py``): an expert tensor (parameter attribute
+  ``expert_model_parallel``) holds its EP rank's experts along dim 0, in contiguous equal runs: EP rank e holds
+  experts ``[e * n, (e + 1) * n)``. NxD's ZeRO-1 optimizer for MoE keeps non-expert parameters first and the expert
+  ones from ``ep_base_state_offset`` on (``EP_STATE_KEYS``), those sharded over expert-DP instead of DP.
 - Pipeline stages: ``stage_of`` assigns a parameter to a stage from the layer number in its name.
 """
 from __future__ import annotations
@@ -179,6 +183,19 @@ def copy_tp_overlap(dst: torch.Tensor, src: torch.Tensor, part: Partition, src_t
         dst.narrow(part.dim, do, n).copy_(src.narrow(part.dim, so, n))
 
 
+# --- expert parallel ---------------------------------------------------------------------------------------
+#: The dim of an expert tensor that holds its experts (split over EP in contiguous runs).
+EXPERT_DIM = 0
+EXPERTS = Partition(EXPERT_DIM)
+#: Keys of NxD's expert-parallel ZeRO-1 state dict (NeuronEPZero1Optimizer): where the expert parameters start in
+#: ``state``, ``param_groups``, ``base_state`` and ``shape_info``.
+EP_OFFSET_KEY = "ep_param_id_offset"
+EP_GROUP_OFFSET_KEY = "ep_param_group_offset"
+EP_BASE_OFFSET_KEY = "ep_base_state_offset"
+EP_SHAPE_OFFSET_KEY = "ep_shape_info_offset"
+EP_STATE_KEYS = (EP_OFFSET_KEY, EP_GROUP_OFFSET_KEY, EP_BASE_OFFSET_KEY, EP_SHAPE_OFFSET_KEY)
+
+
 # --- ZeRO-1 ---------------------------------------------------------------------------------------------
 def rows_tail(shape: Sequence[int]) -> Tuple[int, tuple]:
     """(rows, trailing shape) of a tensor as ZeRO-1 sees it: rows along dim 0; a 0-d tensor is one row."""
@@ -319,4 +336,5 @@ def assign_stages(names: Sequence[str], pp: int) -> Dict[str, int]:
 
 __all__ = ["Partition", "PartitionError", "join_tp", "split_tp", "split_tp_all", "tp_shard_shape", "zero1_shard",
            "zero1_shard_all", "zero1_unshard", "zero1_piece_shape", "rows_tail", "piece_rows", "merge_tp",
-           "layer_index", "tp_overlaps", "copy_tp_overlap", "assign_stages", "make_piece"]
+           "layer_index", "tp_overlaps", "copy_tp_overlap", "assign_stages", "make_piece", "EXPERT_DIM", "EXPERTS",
+           "EP_STATE_KEYS"]

@@ -30,7 +30,7 @@ from . import layout, masters
 from . import manifest as manifest_mod
 from .errors import CheckpointArgumentError, CheckpointError, CorruptCheckpointError
 from .outdir import TagOutput, check_output, output_tag, output_tree, progress_bar
-from .partition import make_piece, piece_rows as _per, rows_tail as _rows_tail
+from .partition import EP_BASE_OFFSET_KEY, EP_OFFSET_KEY, make_piece, piece_rows as _per, rows_tail as _rows_tail
 from .storage import FileRecord, LocalStorage, Storage, forget_clients, open_storage
 from .manifest import read as read_manifest
 from .reader import FileReader
@@ -293,11 +293,6 @@ def _scan_optim(root: Storage, folder_rel: str) -> Tuple[Dict[tuple, Dict[int, s
             f"{folder}: {kind}: the largest dp rank is {g - 1}, so every (tp, pp) needs dp ranks 0-{g - 1}, but "
             + "; ".join(problems) + ". The checkpoint is incomplete or mixes two saves: convert a complete tag")
     return shards, False
-
-
-#: Keys of NxD's expert-parallel ZeRO-1 state dict (NeuronEPZero1Optimizer): where the expert parameters start.
-EP_OFFSET_KEY = "ep_param_id_offset"
-EP_BASE_OFFSET_KEY = "ep_base_state_offset"
 
 
 def _ep_error(input_dir: str, problem: str) -> str:
