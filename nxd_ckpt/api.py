@@ -52,9 +52,9 @@ def save_checkpoint(checkpoint_dir_str, tag, model=None, optimizer=None, schedul
     job = engine.start_job(world, storage, tag, plan, num_kept_ckpts, num_workers, timeout_s,
                            host_memory_budget, called_at)
     engine.snapshot(job, plan, on_device=device_snapshot, timeout_s=timeout_s)
-    job.stats["stall_s"] = time.monotonic() - called_at
-    job.stats["staged_bytes"] = plan.staged_bytes()
-    job.stats["ordering_wait_s"] = engine.last_ordering_wait_s
+    job.stats.stall_s = time.monotonic() - called_at
+    job.stats.staged_bytes = plan.staged_bytes()
+    job.stats.ordering_wait_s = engine.last_ordering_wait_s
     engine.last_ordering_wait_s = 0.0
     if not async_save:
         engine.wait(job, timeout_s + 60)
@@ -181,4 +181,4 @@ def newest_checkpoint(checkpoint_dir_str) -> Optional[str]:
 
 def save_stats() -> List[dict]:
     """Per-save statistics of this process (stall_s, commit_s, bytes, files, ...), oldest first."""
-    return list(get_engine().history)
+    return [s.as_dict() for s in get_engine().history]

@@ -1,5 +1,6 @@
 """The per-process checkpoint engine: save sequence numbers, the background runner, the host-memory
-budget, saves in flight, and errors waiting to be raised. One instance per process, created lazily."""
+budget, the snapshot that feeds a save's files to the writers, saves in flight, and errors waiting to be
+raised. One instance per process, created lazily."""
 from __future__ import annotations
 
 import atexit
@@ -13,10 +14,11 @@ from . import layout, masters
 from .coord import Coordinator, default_store
 from .errors import RankFailureError
 from .plan import SavePlan, tensor_nbytes
+from .saveprotocol import ManifestInfo, SaveJob, SaveRunner, SaveStats
 from .staging import HostBudget, chunk_by_bytes, copy_to_host, default_host_budget, device_snapshot
 from .storage import Storage
 from .world import World
-from .writer import SaveJob, SaveRunner, WriteTask, bytes_task, plain_shard_task, tensor_task
+from .writepool import WriteTask, bytes_task, failing_task, plain_shard_producer, tensor_producer
 
 log = logging.getLogger("nxd_ckpt")
 
@@ -30,7 +32,7 @@ class Engine:
         self.runner: Optional[SaveRunner] = None
         self.budget: Optional[HostBudget] = None
         self.jobs: List[SaveJob] = []
-        self.history: List[dict] = []
+        self.history: List[SaveStats] = []
         self.loading: set = set()
         self.last_ordering_wait_s = 0.0
         self._lock = threading.Lock()
@@ -48,11 +50,9 @@ class Engine:
         coord = Coordinator(default_store(), world.rank, world.world_size, prefix, timeout_s)
         job = SaveJob(
             seq=self.seq, tag=tag, storage=storage, rank=world.rank, coordinator=coord,
-            manifest_info=_manifest_info(world, plan), num_kept=num_kept,
+            info=_manifest_info(world, plan), num_kept=num_kept, num_workers=num_workers,
             in_flight=self.in_flight_tags, protected=lambda: sorted(self.loading), called_at=called_at,
         )
-        job.stats["num_workers"] = num_workers
-        job.stats["tag"] = tag
         with self._lock:
             self.jobs.append(job)
         self.runner.submit(job)
@@ -65,19 +65,19 @@ class Engine:
         elif budget_bytes and budget_bytes != self.budget.capacity:
             self.budget.capacity = int(budget_bytes)
         if self.runner is None:
-            self.runner = SaveRunner(self.budget)
+            self.runner = SaveRunner()
 
     def snapshot(self, job: SaveJob, plan: SavePlan, *, on_device: bool, timeout_s: float) -> None:
         """Feed the job every file of ``plan``. Blocks for the host copy (host mode) or only for the
         on-device clone (device mode, host copy continues on a feeder thread)."""
         for rel, data in plan.small_files.items():
-            job.add(bytes_task(rel, data))
+            job.tasks.add(bytes_task(rel, data))
         for shard in plan.shards:
             if shard.xser and shard.writes_ref:
                 from .capture import info_bytes
 
-                job.add(bytes_task(shard.relpath, shard.ref_bytes))
-                job.add(bytes_task(layout.info_path(shard.relpath), info_bytes(shard.tensors, shard.tensor_meta)))
+                job.tasks.add(bytes_task(shard.relpath, shard.ref_bytes))
+                job.tasks.add(bytes_task(layout.info_path(shard.relpath), info_bytes(shard.tensors, shard.tensor_meta)))
         units = _units(plan, job)
         if on_device:
             tensors = device_snapshot([t for u in units for t in u[1]])
@@ -90,24 +90,26 @@ class Engine:
             self._feed_units(job, units, timeout_s)
 
     def _feed_units(self, job: SaveJob, units, timeout_s: float) -> None:
+        """Copy ``units`` to host in budget-sized chunks and hand each file to the writers with its share of
+        the chunk's lease (released by the write pool once the file is written). Always closes the queue."""
         try:
             sizes = [sum(tensor_nbytes(t) for t in ts) for _, ts in units]
             for chunk in chunk_by_bytes(sizes, self.budget.capacity):
                 need = sum(sizes[i] for i in chunk)
-                waited = self.budget.acquire(need, timeout_s)
-                if waited > 0.01:
-                    log.info("nxd_ckpt: save %s waited %.3fs for %d MB of host staging memory (budget %d MB)",
-                             job.tag, waited, need >> 20, self.budget.capacity >> 20)
-                    job.stats["budget_wait_s"] = job.stats.get("budget_wait_s", 0.0) + waited
-                flat = [t for i in chunk for t in units[i][1]]
-                host = iter(copy_to_host(flat))
-                for i in chunk:
-                    make_task, ts = units[i]
-                    job.add(make_task([next(host) for _ in ts]))
+                with self.budget.lease(need, timeout_s) as lease:   # what is not handed out returns on exit
+                    if lease.waited_s > 0.01:
+                        log.info("nxd_ckpt: save %s waited %.3fs for %d MB of host staging memory (budget %d MB)",
+                                 job.tag, lease.waited_s, need >> 20, self.budget.capacity >> 20)
+                        job.stats.budget_wait_s = (job.stats.budget_wait_s or 0.0) + lease.waited_s
+                    host = iter(copy_to_host([t for i in chunk for t in units[i][1]]))
+                    for i in chunk:
+                        make_file, ts = units[i]
+                        relpath, produce = make_file([next(host) for _ in ts])
+                        job.tasks.add(WriteTask(relpath, produce, lease.part(sizes[i])))
         except BaseException as exc:  # noqa: BLE001
-            job.add(_failing_task(exc))
+            job.tasks.add(failing_task(exc))
         finally:
-            job.close()
+            job.tasks.close()
 
     def wait(self, job: SaveJob, timeout_s: float) -> None:
         """Block the caller (a synchronous save) until ``job`` is committed or failed; raise its error.
@@ -117,7 +119,7 @@ class Engine:
         # to fail on its own with the precise error before declaring it stuck here.
         limit = max(timeout_s, 3 * job.coordinator.timeout_s + 60)
         finished = job.finished.wait(limit)
-        job.stats["stall_s"] = time.monotonic() - job.called_at
+        job.stats.stall_s = job.since_call()
         if not finished:
             raise RankFailureError(
                 f"checkpoint {job.tag!r} did not finish within {limit:.0f}s on this rank (its writes are stuck: "
@@ -184,7 +186,7 @@ class Engine:
         with self._lock:
             if job in self.jobs:
                 self.jobs.remove(job)
-                job.stats["ok"] = job.error is None
+                job.stats.ok = job.error is None
                 self.history.append(job.stats)
                 _log_done(job)
 
@@ -204,8 +206,9 @@ class Engine:
 
 
 def _units(plan: SavePlan, job: SaveJob):
-    """(task factory, tensors) pairs: one per xser tensor file, one per whole non-xser shard, one for the
-    use_zero1_dcp data file (its entries' locations go into the job's report, for rank 0's .metadata)."""
+    """(file factory, tensors) pairs: one per xser tensor file, one per whole non-xser shard, one for the
+    use_zero1_dcp data file (its entries' locations go into the job's report, for rank 0's .metadata). A
+    factory turns the host copies of its tensors into (relpath, producer of the file's bytes)."""
     units = []
     if plan.dcp is not None:
         dcp = plan.dcp
@@ -214,61 +217,54 @@ def _units(plan: SavePlan, job: SaveJob):
             from .zero1_dcp import write_data
 
             name = dcp.relpath.rsplit("/", 1)[1]
-            produce = lambda f: job.extra_report.__setitem__("dcp", write_data(f, dcp.items, ts, name))  # noqa: E731
-            return WriteTask(dcp.relpath, produce, sum(tensor_nbytes(t) for t in ts))
+
+            def produce(f):
+                job.dcp_locations = write_data(f, dcp.items, ts, name)
+
+            return dcp.relpath, produce
 
         units.append((make_dcp, dcp.tensors()))
     for shard in plan.shards:
         if shard.xser:
             for tid in shard.my_tids:
                 rel = layout.tensor_path(shard.relpath, tid)
-                units.append(((lambda ts, rel=rel: tensor_task(rel, ts[0])), [shard.tensors[tid]]))
+                units.append(((lambda ts, rel=rel: (rel, tensor_producer(ts[0]))), [shard.tensors[tid]]))
         elif shard.writes_ref:
             tids = shard.my_tids
 
             def make(ts, shard=shard, tids=tids):
-                host = dict(zip(tids, ts))
-                return plain_shard_task(shard.relpath, shard.ref_bytes, host, sum(tensor_nbytes(t) for t in ts))
+                return shard.relpath, plain_shard_producer(shard.ref_bytes, dict(zip(tids, ts)))
 
             units.append((make, [shard.tensors[t] for t in tids]))
     return units
 
 
-def _failing_task(exc: BaseException):
-    from .writer import WriteTask
-
-    def produce(f):
-        raise exc
-
-    return WriteTask("<snapshot>", produce, 0)
-
-
-def _manifest_info(world: World, plan: SavePlan) -> dict:
+def _manifest_info(world: World, plan: SavePlan) -> ManifestInfo:
     topo = world.topology
     tensors = {}
     for shard in plan.shards:
         if shard.writes_ref:
             tensors[shard.relpath] = {str(tid): m for tid, m in shard.tensor_meta.items()}
-    return {
-        "topology": {"world_size": topo.world_size, "tp": topo.tp, "pp": topo.pp, "dp": topo.dp,
-                     "cp": topo.cp, "ep": topo.ep, "layout": topo.layout},
-        "flags": {"zero1": plan.zero1, "xser": plan.xser, "has_model": plan.has_model,
-                  "has_optim": plan.has_optim, masters.FLAG: plan.model_from_masters,
-                  "zero1_dcp": plan.dcp is not None},
-        "tensors": tensors,
-    }
+    return ManifestInfo(
+        topology={"world_size": topo.world_size, "tp": topo.tp, "pp": topo.pp, "dp": topo.dp,
+                  "cp": topo.cp, "ep": topo.ep, "layout": topo.layout},
+        flags={"zero1": plan.zero1, "xser": plan.xser, "has_model": plan.has_model,
+               "has_optim": plan.has_optim, masters.FLAG: plan.model_from_masters,
+               "zero1_dcp": plan.dcp is not None},
+        tensors=tensors,
+    )
 
 
 def _log_done(job: SaveJob) -> None:
     s = job.stats
     if job.error is not None:
         log.error("nxd_ckpt: checkpoint %s failed after %.3fs: %s", job.tag,
-                  s.get("commit_s", time.monotonic() - job.called_at), job.error)
+                  s.commit_s if s.commit_s is not None else job.since_call(), job.error)
         return
-    nbytes = s.get("bytes", 0)
-    commit_s = s.get("commit_s", float("nan"))
+    nbytes = s.bytes or 0
+    commit_s = s.commit_s if s.commit_s is not None else float("nan")
     log.info("nxd_ckpt: checkpoint %s: stall %.1f ms, %.1f MB from this rank, committed after %.3fs, %.2f GB/s",
-             job.tag, 1000 * s.get("stall_s", 0.0), nbytes / 1e6, commit_s,
+             job.tag, 1000 * (s.stall_s or 0.0), nbytes / 1e6, commit_s,
              nbytes / commit_s / 1e9 if commit_s and commit_s > 0 else 0.0)
 
 

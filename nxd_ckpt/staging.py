@@ -74,6 +74,49 @@ class HostBudget:
         with self._cond:
             return self.capacity - self.used
 
+    def lease(self, nbytes: int, timeout: float) -> "HostLease":
+        """Take ``nbytes`` as in :meth:`acquire` and return them as a lease (``lease.waited_s``: the wait)."""
+        waited = self.acquire(nbytes, timeout)
+        return HostLease(self, nbytes, waited)
+
+
+class HostLease:
+    """Bytes taken from a HostBudget, given back exactly once, by :meth:`release` (and nowhere else).
+
+    A snapshot chunk takes one lease and hands a ``part`` of it to each file it feeds to the writers; each
+    part is released when its file is written or dropped, and what the chunk did not hand out is released
+    when its ``with`` block ends (a failed copy never leaks budget)."""
+
+    def __init__(self, budget: Optional[HostBudget], nbytes: int, waited_s: float = 0.0):
+        self._budget = budget
+        self._lock = threading.Lock()
+        self.nbytes = int(nbytes)
+        self.waited_s = waited_s
+
+    def part(self, nbytes: int) -> "HostLease":
+        """Move ``nbytes`` (at most what is left) of this lease to a new lease."""
+        with self._lock:
+            moved = min(int(nbytes), self.nbytes)
+            self.nbytes -= moved
+        return HostLease(self._budget, moved)
+
+    def release(self) -> None:
+        with self._lock:
+            nbytes, self.nbytes = self.nbytes, 0
+        if nbytes and self._budget is not None:
+            self._budget.release(nbytes)
+
+    def __enter__(self) -> "HostLease":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def no_lease() -> HostLease:
+    """The lease of a file whose bytes are not counted against the budget (small pickled state)."""
+    return HostLease(None, 0)
+
 
 def copy_to_host(tensors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
     """Host copies of ``tensors`` (same order): XLA tensors in one batched transfer, CPU tensors cloned

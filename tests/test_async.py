@@ -8,6 +8,7 @@ import time
 import pytest
 import torch
 
+from backends import ckpt_root, exists, files_under, top_level  # noqa: F401 - ckpt_root is a fixture
 from harness import run_ranks
 from tiny_models import TinyShard, assert_bit_equal, sync, to_cpu_state, train_steps, xla_device
 
@@ -29,28 +30,28 @@ def _wait_for(pred, timeout=60.0):
     return False
 
 
-def test_call_returns_before_any_file_exists(tmp_path, clean_hook):
+def test_call_returns_before_any_file_exists(ckpt_root, clean_hook):
     import nxd_ckpt
 
     gate = threading.Event()
     clean_hook(lambda rel: gate.wait(60))
     model = TinyShard().to(xla_device())
-    root = str(tmp_path / "ckpt")
+    root = ckpt_root
     nxd_ckpt.save_checkpoint(root, "a", model=model, async_save=True, use_xser=True)
-    assert not os.path.exists(os.path.join(root, "a")), "files appeared before the writers were released"
+    assert not files_under(root), "files appeared before the writers were released"
     assert nxd_ckpt.list_checkpoints(root) == []
     gate.set()
     nxd_ckpt.finalize_checkpoint()
     assert nxd_ckpt.list_checkpoints(root) == ["a"]
 
 
-def test_done_appears_without_a_further_save(tmp_path):
+def test_done_appears_without_a_further_save(ckpt_root):
     import nxd_ckpt
 
     model = TinyShard().to(xla_device())
-    root = str(tmp_path / "ckpt")
+    root = ckpt_root
     nxd_ckpt.save_checkpoint(root, "a", model=model, async_save=True, use_xser=True)
-    assert _wait_for(lambda: os.path.exists(os.path.join(root, "a", "done")))
+    assert _wait_for(lambda: exists(root, "a/done"))
     nxd_ckpt.finalize_checkpoint()
 
 
@@ -68,7 +69,7 @@ def test_stats_and_log_of_a_sync_save_count_the_whole_save_as_stall(tmp_path, ca
     assert f"stall {1000 * stats['stall_s']:.1f} ms" in line
 
 
-def test_later_mutations_do_not_reach_the_files(tmp_path, clean_hook):
+def test_later_mutations_do_not_reach_the_files(ckpt_root, clean_hook):
     import nxd_ckpt
 
     gate = threading.Event()
@@ -79,7 +80,7 @@ def test_later_mutations_do_not_reach_the_files(tmp_path, clean_hook):
     train_steps(model, opt, 1, seed=7)
     user = {"step": 1, "items": [1, 2]}
     expect_model, expect_opt = to_cpu_state(model.state_dict()), to_cpu_state(opt.state_dict())
-    root = str(tmp_path / "ckpt")
+    root = ckpt_root
     nxd_ckpt.save_checkpoint(root, "a", model=model, optimizer=opt, user_content=user, async_save=True, use_xser=True)
     # mutate everything: device params in place, Adam's CPU step tensor, the user's dict
     with torch.no_grad():
@@ -100,28 +101,28 @@ def test_later_mutations_do_not_reach_the_files(tmp_path, clean_hook):
     assert_bit_equal(expect_opt, to_cpu_state(fresh_opt.state_dict()))
 
 
-def test_twenty_async_saves_keep_exactly_two(tmp_path):
+def test_twenty_async_saves_keep_exactly_two(ckpt_root):
     import nxd_ckpt
 
     model = TinyShard().to(xla_device())
-    root = str(tmp_path / "ckpt")
+    root = ckpt_root
     for i in range(20):
         with torch.no_grad():
             model.bias.add_(1.0)
         nxd_ckpt.save_checkpoint(root, f"step_{i}", model=model, async_save=True, num_kept_ckpts=2, use_xser=True)
     nxd_ckpt.finalize_checkpoint()
     assert nxd_ckpt.list_checkpoints(root) == ["step_19", "step_18"]
-    assert sorted(os.listdir(root)) == ["newest", "step_18", "step_19"]
+    assert top_level(root) == ["newest", "step_18", "step_19"]
     fresh = TinyShard(seed_offset=1).to(xla_device())
     nxd_ckpt.load_checkpoint(root, model=fresh)
     assert_bit_equal(to_cpu_state(model.state_dict()), to_cpu_state(fresh.state_dict()))
 
 
-def test_small_budget_streams_and_stays_correct(tmp_path):
+def test_small_budget_streams_and_stays_correct(ckpt_root):
     import nxd_ckpt
 
     model = TinyShard(hidden=64).to(xla_device())
-    root = str(tmp_path / "ckpt")
+    root = ckpt_root
     # 64x64 float32 = 16 KiB per matrix: a 20 KiB budget forces one tensor at a time
     nxd_ckpt.save_checkpoint(root, "a", model=model, async_save=True, host_memory_budget=20 << 10, use_xser=True)
     nxd_ckpt.finalize_checkpoint()
@@ -130,13 +131,13 @@ def test_small_budget_streams_and_stays_correct(tmp_path):
     assert_bit_equal(to_cpu_state(model.state_dict()), to_cpu_state(fresh.state_dict()))
 
 
-def test_device_snapshot_mode(tmp_path):
+def test_device_snapshot_mode(ckpt_root):
     import nxd_ckpt
 
     dev = xla_device()
     model = TinyShard().to(dev)
     expect = to_cpu_state(model.state_dict())
-    root = str(tmp_path / "ckpt")
+    root = ckpt_root
     nxd_ckpt.save_checkpoint(root, "a", model=model, async_save=True, device_snapshot=True, use_xser=True)
     with torch.no_grad():
         for p in model.parameters():
@@ -146,6 +147,26 @@ def test_device_snapshot_mode(tmp_path):
     fresh = TinyShard(seed_offset=1).to(dev)
     nxd_ckpt.load_checkpoint(root, model=fresh)
     assert_bit_equal(expect, to_cpu_state(fresh.state_dict()))
+
+
+def test_a_failed_snapshot_gives_its_host_memory_back(tmp_path, monkeypatch):
+    """The device-to-host copy fails after the snapshot took its host staging memory: the save raises the
+    copy's error, and the memory is back in the budget (it used to stay taken until the process ended)."""
+    import nxd_ckpt
+    import nxd_ckpt.engine as engine_mod
+
+    root = str(tmp_path / "ckpt")
+    model = TinyShard().to(xla_device())
+    nxd_ckpt.save_checkpoint(root, "good", model=model, use_xser=True)
+
+    def broken_copy(tensors):
+        raise RuntimeError("device lost (injected)")
+
+    monkeypatch.setattr(engine_mod, "copy_to_host", broken_copy)
+    with pytest.raises(nxd_ckpt.RankFailureError, match="device lost"):
+        nxd_ckpt.save_checkpoint(root, "bad", model=model, use_xser=True)
+    assert engine_mod.get_engine().budget.used == 0
+    assert nxd_ckpt.list_checkpoints(root) == ["good"]
 
 
 # ---- a write error on one rank of four ---------------------------------------------------------------
@@ -174,10 +195,10 @@ def _failing_rank(rank, world, root):
     return None
 
 
-def test_write_error_on_one_rank_raises_on_all(tmp_path):
+def test_write_error_on_one_rank_raises_on_all(ckpt_root):
     import nxd_ckpt
 
-    root = str(tmp_path / "ckpt")
+    root = ckpt_root
     results = run_ranks(_failing_rank, 4, root, timeout=180)
     for r, res in enumerate(results):
         assert res is not None, f"rank {r} did not raise"
@@ -185,7 +206,7 @@ def test_write_error_on_one_rank_raises_on_all(tmp_path):
         assert "No space left on device" in res["causes"][2]
         assert "rank 2" in res["msg"]
     assert nxd_ckpt.list_checkpoints(root) == ["good"]
-    assert not os.path.exists(os.path.join(root, "bad"))
+    assert top_level(root) == ["good", "newest"]      # the failed save's files are gone
 
 
 def test_exit_waits_for_the_save_in_flight(tmp_path):

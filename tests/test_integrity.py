@@ -10,6 +10,7 @@ import shutil
 import pytest
 import torch
 
+from backends import BACKENDS, overwrite, remove, root_for, storage_of
 from tiny_models import TinyShard, assert_bit_equal, to_cpu_state, train_steps
 
 SHARD = "model/dp_rank_00_tp_rank_00_pp_rank_00.pt"
@@ -35,12 +36,14 @@ def _assert_state(want, model, opt, sched):
     assert want["sched"] == got["sched"]
 
 
-@pytest.fixture(scope="module")
-def pristine(tmp_path_factory):
-    """Two complete checkpoints, 'a' (step 1) and 'b' (step 2), and the state saved in each."""
+@pytest.fixture(scope="module", params=BACKENDS)
+def pristine(request, tmp_path_factory):
+    """Two complete checkpoints, 'a' (step 1) and 'b' (step 2), on POSIX or the object store: (backend, the
+    directory holding them, the state saved in each)."""
     import nxd_ckpt
 
-    root = str(tmp_path_factory.mktemp("integrity") / "ckpt")
+    base = tmp_path_factory.mktemp("integrity")
+    root = root_for(request.param, base)
     model, opt, sched = _objects()
     states = {}
     for step, tag in ((1, "a"), (2, "b")):
@@ -48,20 +51,21 @@ def pristine(tmp_path_factory):
         states[tag] = _state(model, opt, sched)
         nxd_ckpt.save_checkpoint(root, tag, model=model, optimizer=opt, scheduler=sched,
                                  user_content={"step": step}, use_xser=True)
-    return root, states
+    return request.param, base, states
 
 
 @pytest.fixture
 def ckpt(pristine, tmp_path):
-    root = str(tmp_path / "ckpt")
-    shutil.copytree(pristine[0], root)
-    return root, pristine[1]
+    """A fresh copy of ``pristine``: (its root path or URL, the state saved in each tag)."""
+    backend, base, states = pristine
+    shutil.copytree(base, tmp_path / "copy")
+    return root_for(backend, tmp_path / "copy"), states
 
 
-def _flip(path):
-    data = bytearray(open(path, "rb").read())
+def _flip(root, rel):
+    data = bytearray(storage_of(root).read(rel))
     data[len(data) // 2] ^= 0x10
-    open(path, "wb").write(bytes(data))
+    overwrite(root, rel, bytes(data))
 
 
 # damage -> (file it hits, relative to tag 'b'; what the message must also say)
@@ -79,18 +83,19 @@ DAMAGE = {
 }
 
 
-def _damage(tagdir, kind):
+def _damage(root, tag, kind):
+    """Damage ``tag``'s file for ``kind`` behind the storage's back; return the file, relative to the tag."""
     rel, _ = DAMAGE[kind]
-    path = os.path.join(tagdir, rel)
-    assert os.path.isfile(path), f"fixture lacks {rel}"
+    key = f"{tag}/{rel}"
+    assert storage_of(root).isfile(key), f"fixture lacks {rel}"
     if kind.startswith(("flip", "alter")):
-        _flip(path)
+        _flip(root, key)
     elif kind.startswith("truncate"):
-        os.truncate(path, os.path.getsize(path) - 5)
+        overwrite(root, key, storage_of(root).read(key)[:-5])
     elif kind.startswith("garble"):
-        open(path, "w").write('{"format": "nxd-ckpt-manifest", "files": {')
+        overwrite(root, key, b'{"format": "nxd-ckpt-manifest", "files": {')
     else:
-        os.unlink(path)
+        remove(root, key)
     return rel
 
 
@@ -100,7 +105,7 @@ def test_damage_is_caught_named_and_harmless(ckpt, kind, caplog, capsys):
     from nxd_ckpt.cli import main
 
     root, states = ckpt
-    rel = _damage(os.path.join(root, "b"), kind)
+    rel = _damage(root, "b", kind)
     full = f"b/{rel}"
 
     model, opt, sched = _objects(seed_offset=5)
@@ -129,10 +134,10 @@ def test_damage_is_caught_named_and_harmless(ckpt, kind, caplog, capsys):
     assert any("b" in w and full in w for w in warnings), warnings
 
     # the offline check agrees
-    code = main(["verify", os.path.join(root, "b")])
+    code = main(["verify", f"{root}/b"])
     out = capsys.readouterr().out
     assert code == 1, out
-    assert os.path.join(root, "b", rel) in out, out
+    assert f"{root}/b/{rel}" in out, out
 
 
 def test_the_older_tag_without_its_manifest_is_damaged_too(ckpt, capsys):
@@ -141,14 +146,14 @@ def test_the_older_tag_without_its_manifest_is_damaged_too(ckpt, capsys):
     from nxd_ckpt.cli import main
 
     root, _ = ckpt
-    os.unlink(os.path.join(root, "a", "manifest.json"))
-    _flip(os.path.join(root, "a", SHARD + ".tensors", "tensor_0.pt"))
+    remove(root, "a/manifest.json")
+    _flip(root, f"a/{SHARD}.tensors/tensor_0.pt")
     model, opt, sched = _objects(seed_offset=5)
     before = _state(model, opt, sched)
     with pytest.raises(nxd_ckpt.CorruptCheckpointError, match="manifest.json is missing although `done` records one"):
         nxd_ckpt.load_checkpoint(root, tag="a", model=model, optimizer=opt, scheduler=sched)
     _assert_state(before, model, opt, sched)
-    assert main(["verify", os.path.join(root, "a")]) == 1
+    assert main(["verify", f"{root}/a"]) == 1
     assert "missing although `done` records one" in capsys.readouterr().out
 
 
@@ -167,8 +172,8 @@ def test_every_checkpoint_damaged(ckpt):
     import nxd_ckpt
 
     root, _ = ckpt
-    _damage(os.path.join(root, "a"), "flip_tensor")
-    _damage(os.path.join(root, "b"), "delete_ref")
+    _damage(root, "a", "flip_tensor")
+    _damage(root, "b", "delete_ref")
     model, opt, sched = _objects(seed_offset=5)
     before = _state(model, opt, sched)
     with pytest.raises(nxd_ckpt.CorruptCheckpointError, match="every complete checkpoint"):
@@ -300,12 +305,13 @@ def _load_damaged_dp2(rank, world, root):
     return raised, _state(model, opt, sched)
 
 
-def test_damage_read_by_one_replica_raises_on_both(tmp_path):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_damage_read_by_one_replica_raises_on_both(tmp_path, backend):
     from harness import run_ranks
 
-    root = str(tmp_path / "ckpt")
+    root = root_for(backend, tmp_path)
     states = run_ranks(_save_two_dp2, 2, root, timeout=120)[0]
-    _flip(os.path.join(root, "b", SHARD + ".tensors", "tensor_0.pt"))   # read by one replica only
+    _flip(root, f"b/{SHARD}.tensors/tensor_0.pt")   # read by one replica only
     results = run_ranks(_load_damaged_dp2, 2, root, timeout=120)
     raised = [r[0] for r in results]
     assert raised[0] == raised[1] and raised[0][0] == f"b/{SHARD}.tensors/tensor_0.pt"

@@ -1,0 +1,201 @@
+"""The write pool: a save's files, produced from host memory, written through Storage by ``num_workers``
+threads, then made durable in one batch.
+
+Knows nothing about ranks or commits (that is ``saveprotocol.py``). Each WriteTask holds the host staging
+memory of its bytes as a HostLease; the pool gives it back in :func:`_settle`, the one place a task ends,
+whether it was written, failed or dropped.
+"""
+from __future__ import annotations
+
+import io
+import queue
+import traceback
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from typing import Callable, Dict, Iterator, List, Optional
+
+import torch
+
+import xser
+
+from .staging import HostLease, no_lease
+from .storage import FileRecord, Storage
+
+_END = object()
+
+
+@dataclass
+class WriteTask:
+    """One file to write, relative to the tag's working directory. ``produce(fileobj)`` writes its bytes;
+    ``lease`` is the host staging memory they occupy until the file is written (or dropped)."""
+
+    relpath: str
+    produce: Callable
+    lease: HostLease = field(default_factory=no_lease)
+
+
+def bytes_task(relpath: str, data: bytes) -> WriteTask:
+    return WriteTask(relpath, lambda f: f.write(data))
+
+
+def tensor_producer(tensor: torch.Tensor) -> Callable:
+    """An xser tensor file's bytes."""
+    return lambda f: xser.write_tensor(tensor, f)
+
+
+def plain_shard_producer(ref_bytes: bytes, host: Dict[int, torch.Tensor]) -> Callable:
+    """A non-xser shard: the ref data with its tensors put back, written as one torch.save file."""
+
+    def produce(f):
+        refs = xser.load_refs(io.BytesIO(ref_bytes), trusted=True)
+        torch.save(xser.from_refs(refs, host.__getitem__), f)
+
+    return produce
+
+
+def failing_task(exc: BaseException) -> WriteTask:
+    """A task that fails with ``exc``: how the snapshot reports its own failure to the writers."""
+
+    def produce(f):
+        raise exc
+
+    return WriteTask("<snapshot>", produce)
+
+
+class TaskQueue:
+    """The tasks of one save, from the snapshot (producer) to the pool (consumer), ended by :meth:`close`."""
+
+    def __init__(self):
+        self._q: "queue.Queue" = queue.Queue()
+
+    def add(self, task: WriteTask) -> None:
+        self._q.put(task)
+
+    def close(self) -> None:
+        self._q.put(_END)
+
+    def __iter__(self) -> Iterator[WriteTask]:
+        while True:
+            task = self._q.get()
+            if task is _END:
+                return
+            yield task
+
+    def drain(self) -> None:
+        """Drop every task until the producer closes the queue (so it never waits on a dead consumer)."""
+        for task in self:
+            _settle(task, None)
+
+
+@dataclass
+class WriteResult:
+    records: List[FileRecord]
+    error: Optional[str]          # the first failure, described; None when every file is durable
+    nbytes: int
+
+
+class WritePool:
+    """The writer threads of one process, resized to each save's ``num_workers``."""
+
+    def __init__(self):
+        self._pool: Optional[ThreadPoolExecutor] = None
+        self._size = 0
+
+    def _executor(self, workers: int) -> ThreadPoolExecutor:
+        if self._pool is None or self._size != workers:
+            if self._pool is not None:
+                self._pool.shutdown(wait=True)
+            self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="nxd_ckpt-write")
+            self._size = workers
+        return self._pool
+
+    def write_all(self, tasks: TaskQueue, storage: Storage, workdir: str, workers: int) -> WriteResult:
+        """Write every task of ``tasks`` under ``workdir`` until the queue is closed, then make the files
+        durable in one batch. Blocks the calling thread (the runner) until then; never raises: the first
+        failure is described in the result, and the tasks after it are dropped (their memory released)."""
+        pool = self._executor(max(1, workers))
+        futures: List[Future] = []
+        failed: List[Future] = []      # appended by done-callbacks: no rescan of every future per task (O(n^2))
+        error: Optional[str] = None
+        for task in tasks:
+            if error is None and failed:
+                error = describe(failed[0].exception())
+            if error is not None:
+                _settle(task, None)
+                continue
+            fut = pool.submit(_settle, task, lambda t: _write_one(storage, workdir, t))
+            fut.add_done_callback(lambda f: f.exception() is not None and failed.append(f))
+            futures.append(fut)
+        wait(futures)
+        records: List[FileRecord] = []
+        for f in futures:
+            if f.exception() is not None:
+                error = error or describe(f.exception())
+            else:
+                records.append(f.result())
+        if error is None:
+            error = _make_durable(storage, workdir, records)
+        return WriteResult(records, error, sum(r.size for r in records))
+
+
+def _settle(task: WriteTask, write: Optional[Callable[[WriteTask], FileRecord]]):
+    """End ``task``: write it (``write`` None: drop it). Its host memory is given back here, and only here."""
+    with task.lease:
+        return write(task) if write is not None else None
+
+
+def _make_durable(storage: Storage, workdir: str, records: List[FileRecord]) -> Optional[str]:
+    """Durability for the whole batch at once, before the rank reports its files: they were written without a
+    temporary name (the working directory's rename, or `done`, is the atomic step) and without a sync each."""
+    try:
+        storage.sync_files(f"{workdir}/{r.relpath}" for r in records)
+        storage.sync_dirs({workdir + "/" + r.relpath.rsplit("/", 1)[0] if "/" in r.relpath else workdir
+                           for r in records})
+    except Exception as exc:  # noqa: BLE001 - reported to rank 0 like a failed write
+        return describe(exc)
+    return None
+
+
+def _write_one(storage: Storage, workdir: str, task: WriteTask) -> FileRecord:
+    seen: List[OSError] = []
+
+    def produce(f):
+        try:
+            task.produce(_OSErrorKeeper(f, seen))
+        except Exception as exc:
+            # torch.save's zip writer swallows the OSError of a failed write (a full disk, a quota) and
+            # fails later with "unexpected pos ..."; report the real cause.
+            if seen and exc is not seen[0]:
+                raise seen[0] from exc
+            raise
+
+    rec = storage.write_file(f"{workdir}/{task.relpath}", produce, durable=False, atomic=False)
+    return FileRecord(task.relpath, rec.size, rec.crc32c)
+
+
+class _OSErrorKeeper(io.RawIOBase):
+    """A pass-through writable file object that remembers the first OSError a write raised."""
+
+    def __init__(self, f, seen: List[OSError]):
+        super().__init__()
+        self._f = f
+        self._seen = seen
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data) -> int:
+        try:
+            return self._f.write(data)
+        except OSError as exc:
+            if not self._seen:
+                self._seen.append(exc)
+            raise
+
+    def flush(self) -> None:
+        pass
+
+
+def describe(exc: BaseException) -> str:
+    """An exception as the one line that travels to rank 0 and into RankFailureError's causes."""
+    return "".join(traceback.format_exception_only(type(exc), exc)).strip()
