@@ -58,7 +58,7 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
                        epilog="example:\n  nxd-ckpt ls ckpts/\n  nxd-ckpt ls ckpts/ --json | jq '.[0].tag'")
     p.add_argument("dir", metavar="DIR", help="the checkpoint directory (holding tag directories)")
     p.add_argument("--json", action="store_true", help="print JSON")
-    p.set_defaults(func=_cmd_ls, reads_s3=True)
+    p.set_defaults(func=_cmd_ls)
 
     p = sub.add_parser("info", help="describe one tag",
                        description="Describe one tag: topology, shards with file counts and bytes, tensor counts "
@@ -69,7 +69,7 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument("--trusted", action="store_true",
                    help="unpickle without weights_only restrictions (only for checkpoints from a trusted source)")
-    p.set_defaults(func=_cmd_info, reads_s3=True)
+    p.set_defaults(func=_cmd_info)
 
     p = sub.add_parser("verify", help="check every file of a tag (or of every tag) against its checksum",
                        description="Verify tags. With a manifest (nxd-ckpt): every file's size and CRC32C. Without "
@@ -86,7 +86,7 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
                         "managed by nxd-ckpt (where a missing manifest is otherwise reported)")
     p.add_argument("--trusted", action="store_true",
                    help="unpickle ref files without weights_only restrictions (trusted sources only)")
-    p.set_defaults(func=_cmd_verify, reads_s3=True)
+    p.set_defaults(func=_cmd_verify)
 
     p = sub.add_parser("convert-zero1", help="change the DP size of a ZeRO-1 optimizer checkpoint",
                        description="Re-shard the ZeRO-1 optimizer state of a tag to a new data-parallel size (or "
@@ -94,7 +94,7 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
                                    "converter flags; keeps sharded_master_weights; never modifies the input.",
                        epilog=zero1.EPILOG)
     zero1.add_arguments(p)
-    p.set_defaults(func=_cmd_convert, reads_s3=True)
+    p.set_defaults(func=_cmd_convert)
 
     p = sub.add_parser("export", help="merge the model's TP/PP shards into Hugging Face safetensors",
                        description="Merge the model's tensor-parallel shards (with the partition attributes "
@@ -103,7 +103,7 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
                                    "(or one model.safetensors).",
                        epilog=export.EPILOG)
     export.add_arguments(p)
-    p.set_defaults(func=_cmd_export, reads_s3=True)
+    p.set_defaults(func=_cmd_export)
 
     from . import convert
 
@@ -125,7 +125,7 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
         short, desc = helps[name]
         p = sub.add_parser(name, help=short, description=desc, epilog=convert.EPILOGS[name])
         add(p)
-        p.set_defaults(func=_cmd_convert_state, convert_fn=_run_fn)
+        p.set_defaults(func=_cmd_convert_state, convert_fn=_run_fn, posix_only=_POSIX_ONLY.get(name, ()))
     return parser
 
 
@@ -242,6 +242,9 @@ def _cmd_convert_state(args) -> int:
 
 #: every command's arguments that name a file or directory (each is checked by storage.check_location)
 _PATH_ARGS = ("dir", "tag", "path", "input_dir", "output_dir", "output", "src", "dst", "hf_dir")
+#: the arguments that take POSIX paths only (the readers and writers behind them use the filesystem):
+#: a Hugging Face directory, a DCP directory; every other path argument also takes s3:// URLs
+_POSIX_ONLY = {"import": ("hf_dir",), "to-dcp": ("dst",), "from-dcp": ("src",)}
 
 
 # --- entry points ---------------------------------------------------------------------------------------
@@ -263,9 +266,10 @@ def _call(func, args, prog: str) -> int:
     from .storage import check_location
 
     try:
-        for name in _PATH_ARGS:   # commands that read through storage take s3:// URLs too
+        posix_only = getattr(args, "posix_only", ())
+        for name in _PATH_ARGS:
             if isinstance(getattr(args, name, None), str):
-                check_location(getattr(args, name), offline_tool=not getattr(args, "reads_s3", False))
+                check_location(getattr(args, name), offline_tool=name in posix_only)
         return func(args)
     except (CheckpointError, xser.XserError, OSError, ValueError) as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)
@@ -287,7 +291,7 @@ def convert_zero1_main(argv: Optional[List[str]] = None) -> int:
     parser = _Parser(prog=prog, description="Change the data-parallel size of a ZeRO-1 optimizer checkpoint "
                                             "(drop-in for neuronx-distributed's converter).", epilog=zero1.EPILOG)
     zero1.add_arguments(parser)
-    parser.set_defaults(func=_cmd_convert, reads_s3=True)
+    parser.set_defaults(func=_cmd_convert)
     return _run(parser, argv, prog)
 
 

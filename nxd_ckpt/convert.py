@@ -164,7 +164,7 @@ def _source_sizes(state: FullState, tagdir: str) -> TagSizes:
         topo = derived_topology(tagdir)
     from . import layout
 
-    zero1 = layout.folder_is_zero1(os.path.join(tagdir, layout.OPTIM_DIR))
+    zero1 = layout.folder_is_zero1(tagdir, layout.OPTIM_DIR)
     return TagSizes(int(topo.get("tp") or 1), int(topo.get("pp") or 1), int(topo.get("dp") or 1), zero1)
 
 

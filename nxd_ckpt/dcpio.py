@@ -246,9 +246,9 @@ def write_dcp(state: FullState, dst: str, layout_kind: str = "plain", *, progres
 
 
 def _fsync_files(root: str, names: List[str]) -> None:
-    from .zero1 import _fsync_files as fsync_all
+    from .storage import LocalStorage
 
-    fsync_all(root, names)
+    LocalStorage(root).sync_files(names)
 
 
 def _seal(stage: str, name: str, files: List[str], layout_kind: str, state: FullState, source: str) -> None:

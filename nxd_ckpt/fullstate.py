@@ -202,16 +202,16 @@ class _OptimFile:
 
 def _read_optim(reader: FileReader, tagdir: str, model: Dict[str, TensorSource],
                 stage_keys: Dict[int, List[str]]) -> OptimState:
-    folder = os.path.join(tagdir, layout.OPTIM_DIR)
-    names = layout.list_shard_files(folder)
-    if not names and os.path.isfile(os.path.join(folder, ".metadata")):
+    folder = f"{reader.storage.root}/{layout.OPTIM_DIR}"
+    names = layout.list_shard_files(reader.storage, layout.OPTIM_DIR)
+    if not names and reader.storage.isfile(f"{layout.OPTIM_DIR}/{layout.DCP_METADATA_FILE}"):
         raise ConversionError(f"{folder} holds a ZeRO-1 state saved with use_zero1_dcp=True (a DCP checkpoint), which "
                               "the converters do not read yet; pass --no-optimizer to convert the model only")
     if not names:
         raise ConversionError(f"{folder} holds no optimizer files; pass --no-optimizer to convert the model only")
     if any(s.ep is not None for s in names):
         raise ConversionError(f"{folder} holds expert-parallel optimizer files; converting them is not supported")
-    xser_folder = layout.folder_is_xser(folder)
+    xser_folder = layout.folder_is_xser(reader.storage, layout.OPTIM_DIR)
     files: Dict[Tuple[int, int, int], _OptimFile] = {}
     for s, n in names.items():
         rel = f"{layout.OPTIM_DIR}/{n}"
@@ -315,13 +315,17 @@ def _leaf(reader: FileReader, f: _OptimFile, path: tuple, mapped: bool = False):
 
 def _tensor_in_place(reader: FileReader, rel: str) -> torch.Tensor:
     """One tensor file read once into a buffer, checked against the manifest there, and unpickled with the
-    tensor as a view of the buffer: one pass over the bytes and one copy in memory."""
+    tensor as a view of the buffer: one pass over the bytes and one copy in memory. A file that is not
+    local (an object store) is read by the reader."""
     where = reader.where(rel)
+    local = reader.storage.local_path(rel)
+    if local is None:
+        return reader.load_tensor(rel)
     try:
-        size = os.path.getsize(where)
+        size = os.path.getsize(local)
         buf = torch.empty(size, dtype=torch.uint8)
         view = memoryview(buf.numpy())
-        with open(where, "rb", buffering=0) as fh:
+        with open(local, "rb", buffering=0) as fh:
             got = 0
             while got < size:
                 n = fh.readinto(view[got:])

@@ -5,7 +5,6 @@ The name grammar is NxD's (see DESIGN 2.1): ``dp_rank_{dp:02d}[_ep_rank_{ep:02d}
 """
 from __future__ import annotations
 
-import os
 import re
 from dataclasses import dataclass
 from typing import Optional
@@ -132,10 +131,6 @@ def validate_tag(tag) -> str:
     return text
 
 
-def tag_dir(checkpoint_dir: str, tag: str) -> str:
-    return os.path.join(checkpoint_dir, tag)
-
-
 def storage_at(where):
     """The Storage for a directory given as a Storage (its root), a POSIX path or an ``s3://`` URL."""
     if isinstance(where, str):
@@ -193,6 +188,7 @@ def folder_is_xser(where, folder: str = "") -> bool:
     return any(n.endswith(TENSORS_SUFFIX) and st.isdir(_join(folder, n)) for n in st.listdir(folder))
 
 
-def folder_is_zero1(folder: str) -> bool:
-    """ZeRO-1 is detected, as NxD does, by the presence of any ``dp_rank_01_*`` shard."""
-    return any(s.dp >= 1 for s in list_shard_files(folder))
+def folder_is_zero1(where, folder: str = "") -> bool:
+    """ZeRO-1 is detected, as NxD does, by the presence of any ``dp_rank_01_*`` shard in ``folder`` of
+    ``where`` (a POSIX path, URL or Storage)."""
+    return any(s.dp >= 1 for s in list_shard_files(where, folder))

@@ -5,14 +5,14 @@ with ``.info.pt`` (partition attributes included) and one tensor file per tensor
 ZeRO-1 state (``base_state`` pieces over DP, ``shape_info``, ``sharded_master_weights``) in one file per
 (dp, tp, pp), or a plain torch optimizer state (``state`` by parameter index) in one file per (tp, pp);
 ``scheduler.pt``, ``user_content.pt``; our manifest (every file's size and CRC32C) and ``done`` last. It is
-built in ``<dst>.nxdtmp`` and renamed into place, so a failed conversion leaves no partial tag.
+written through the commit strategy of its storage (outdir.output_tag: built in ``<dst>.nxdtmp`` and renamed
+into place on POSIX, `done` last on an object store), so a failed conversion leaves no complete-looking tag.
 
 Streaming: each full tensor is loaded once, split into its TP shards (and ZeRO-1 pieces), each written to its
 own tensor file at once; ref files, which hold no tensor data, are written at the end.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -24,9 +24,9 @@ from . import layout
 from . import manifest as manifest_mod
 from .errors import CheckpointArgumentError
 from .fullstate import ConversionError, FullState, ParamState
-from .outdir import progress_bar, staged_output
+from .outdir import output_tag, progress_bar
 from .partition import assign_stages, split_tp, tp_shard_shape, zero1_shard
-from .storage import FileRecord, LocalStorage
+from .storage import FileRecord, Storage
 
 
 @dataclass(frozen=True)
@@ -79,8 +79,8 @@ class _File:
 
 
 class _Writer:
-    def __init__(self, stage: str, bar):
-        self.store = LocalStorage(stage)
+    def __init__(self, store: Storage, bar):
+        self.store = store
         self.records: Dict[str, FileRecord] = {}
         self.tensors: Dict[str, Dict[str, dict]] = {}
         self.bar = bar
@@ -126,13 +126,14 @@ def plan_check(state: FullState, sizes: TagSizes) -> Dict[str, int]:
 
 def write_tag(state: FullState, dst: str, sizes: TagSizes, *, converted_from: dict,
               progress: Optional[bool] = None) -> TagResult:
-    """Write ``state`` as the complete tag ``dst`` (checked with outdir.check_output_dir by the caller)."""
+    """Write ``state`` as the complete tag ``dst`` (a path or URL, checked with outdir.check_output by the
+    caller). Single process; blocks until the tag is committed."""
     stages = plan_check(state, sizes)
     total = sum(t.nbytes for t in state.model)
     if state.optim is not None:
         total += sum(m.nbytes for ps in state.optim.params.values() for m in ps.moments.values())
-    with progress_bar(total, "write tag", progress) as bar, staged_output(dst) as stage_dir:
-        w = _Writer(stage_dir, bar)
+    with progress_bar(total, "write tag", progress) as bar, output_tag(dst) as out:
+        w = _Writer(out.storage, bar)
         w.small(layout.CHECKPOINT_MARKER, lambda f: f.write(b"1"))
         models, optims = _skeletons(state, sizes, stages)
         for t in state.model:
@@ -142,8 +143,7 @@ def write_tag(state: FullState, dst: str, sizes: TagSizes, *, converted_from: di
         for name, obj in ((layout.SCHEDULER_FILE, state.scheduler), (layout.USER_CONTENT_FILE, state.user_content)):
             if obj is not None:
                 w.small(name, lambda fo, obj=obj: torch.save(obj, fo))
-        _fsync(stage_dir, list(w.records))
-        _commit(w, os.path.basename(dst), sizes, state, converted_from, list(optims.values()))
+        out.commit(_manifest(w, out.name, sizes, state, converted_from, list(optims.values())))
     return TagResult(dst, sizes.tp, sizes.pp, sizes.dp, sizes.zero1, len(state.model), len(w.records),
                      sum(r.size for r in w.records.values()))
 
@@ -250,13 +250,8 @@ def _write_pieces(w: _Writer, optims, p: int, sizes: TagSizes, full: torch.Tenso
             w.tensor(f, ref_of(f), piece)
 
 
-def _fsync(root: str, rels: List[str]) -> None:
-    from .zero1 import _fsync_files
-
-    _fsync_files(root, rels)
-
-
-def _commit(w: _Writer, tag: str, sizes: TagSizes, state: FullState, converted_from: dict, optims) -> None:
+def _manifest(w: _Writer, tag: str, sizes: TagSizes, state: FullState, converted_from: dict,
+              optims) -> manifest_mod.Manifest:
     from .zero1 import _rank_of
 
     topo = sizes.topology()
@@ -268,6 +263,4 @@ def _commit(w: _Writer, tag: str, sizes: TagSizes, state: FullState, converted_f
     man.extra["converted_from"] = converted_from
     # the parameter name of each optimizer index, so that reading this tag back never has to infer it
     man.extra["optim_params"] = {f.rel: list(f.index) for f in optims}
-    body = man.body()
-    w.store.write_bytes(layout.MANIFEST_FILE, body)
-    w.store.write_bytes(layout.DONE_MARKER, manifest_mod.seal(body))
+    return man

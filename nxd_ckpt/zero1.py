@@ -31,7 +31,7 @@ from . import manifest as manifest_mod
 from .errors import CheckpointArgumentError, CheckpointError, CorruptCheckpointError
 from .outdir import TagOutput, check_output, output_tag, output_tree, progress_bar
 from .partition import EP_BASE_OFFSET_KEY, EP_OFFSET_KEY, make_piece, piece_rows as _per, rows_tail as _rows_tail
-from .storage import FileRecord, LocalStorage, Storage, forget_clients, open_storage
+from .storage import FileRecord, Storage, forget_clients, open_storage
 from .manifest import read as read_manifest
 from .reader import FileReader
 
@@ -911,11 +911,6 @@ def _rank_of(rel: str, topo: dict) -> int:
         s = layout.ShardName(0, f.tp, f.pp, f.ep)
     tp, dp, cp = (int(topo.get(k) or 1) for k in ("tp", "dp", "cp"))
     return ((s.pp * dp + s.dp) * cp) * tp + s.tp
-
-
-def _fsync_files(root: str, rels: List[str]) -> None:
-    """Make files written without fsync durable (tagwrite's local staging directory)."""
-    LocalStorage(root).sync_files(rels)
 
 
 # --- command line ---------------------------------------------------------------------------------------

@@ -298,5 +298,5 @@ def test_nxd_ckpt_ls_and_info_read_s3(s3_url, capsys):
 def test_nxd_ckpt_commands_not_on_storage_refuse_s3_with_advice(s3_url, capsys):
     from nxd_ckpt.cli import main
 
-    assert main(["reshard", f"{s3_url}/a", "/tmp/never-written", "--tp", "1"]) == 1
-    assert "Copy the tag to local disk first" in capsys.readouterr().err
+    assert main(["to-dcp", f"{s3_url}/a", f"{s3_url}/dcp"]) == 1
+    assert "Copy it to local disk first" in capsys.readouterr().err

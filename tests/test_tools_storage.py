@@ -284,3 +284,47 @@ def test_ls_on_s3_lists_once_and_never_heads(s3_url, tmp_path, capsys):
     requests.clear()
     assert _run("info", f"{s3_url}/b", "--json") == 0
     assert requests.get("list_objects_v2") == 1 and "head_object" not in requests, requests
+
+
+# --- import and reshard write their tags through the same commit strategies -------------------------------
+def _full_state_tag(root: str) -> str:
+    from nxd_ckpt.tagwrite import TagSizes, write_tag
+    from test_convert_state import full_state
+
+    state, _ = full_state()
+    write_tag(state, root, TagSizes(2, 1, 2, True), converted_from={})
+    return root
+
+
+def _import_and_reshard(base: str, tmp_path) -> None:
+    """import (local HF dir -> ``base``) and reshard (``base`` -> ``base``) give the local runs' files."""
+    local = _full_state_tag(str(tmp_path / "a"))
+    assert _run("export", local, "--output", str(tmp_path / "hf"), "--max-shard-size", "2KB") == 0
+    assert _run("import", str(tmp_path / "hf"), str(tmp_path / "imported"), "--tp", "2", "--preset", "llama") == 0
+    assert _run("import", str(tmp_path / "hf"), f"{base}/imported", "--tp", "2", "--preset", "llama") == 0
+    assert_same_tree(f"{base}/imported", str(tmp_path / "imported"))
+    assert _run("reshard", local, str(tmp_path / "r"), "--tp", "1", "--dp", "3") == 0
+    upload(local, f"{base}/a")
+    assert _run("reshard", f"{base}/a", f"{base}/r", "--tp", "1", "--dp", "3") == 0
+    assert_same_tree(f"{base}/r", str(tmp_path / "r"))
+    assert open_storage(base).listdir("") == ["a", "imported", "r"]
+    assert _run("verify", base) == 0
+
+
+@pytest.mark.parametrize("kind", ["mem", "objdir"])
+def test_import_and_reshard_on_an_object_store(kind, tmp_path):
+    _import_and_reshard(_base(kind, tmp_path), tmp_path)
+
+
+def test_import_and_reshard_on_s3(s3_url, tmp_path, capsys):
+    _import_and_reshard(s3_url, tmp_path)
+    # a damaged input: the message names the object, and nothing of the new tag is left
+    st = open_storage(f"{s3_url}/a")
+    rel = "optim/dp_rank_01_tp_rank_01_pp_rank_00.pt.tensors/tensor_2.pt"
+    data = bytearray(st.read(rel))
+    data[-20] ^= 0xFF
+    st.write_bytes(rel, bytes(data))
+    capsys.readouterr()
+    assert _run("reshard", f"{s3_url}/a", f"{s3_url}/r2", "--tp", "1") == 1
+    assert f"{s3_url}/a/{rel} fails its checksum" in capsys.readouterr().err
+    assert open_storage(s3_url).listdir("") == ["a", "imported", "r"]

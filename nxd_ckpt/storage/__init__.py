@@ -20,8 +20,8 @@ _S3_BUCKETS: dict = {}
 
 def check_location(path, *, offline_tool: bool = False) -> str:
     """``path`` as a string, or CheckpointArgumentError when it is a URL whose scheme no backend here serves,
-    or (``offline_tool``) an ``s3://`` URL given to an `nxd-ckpt` command that reads POSIX paths only
-    (import, reshard, to-dcp, from-dcp).
+    or (``offline_tool``) an ``s3://`` URL given to an `nxd-ckpt` argument that takes POSIX paths only
+    (import's HF_DIR, to-dcp's OUT_DIR, from-dcp's DCP_DIR).
     Every entry point and tool calls this first."""
     text = os.fspath(path) if not isinstance(path, str) and hasattr(path, "__fspath__") else path
     if isinstance(text, bytes):
@@ -32,9 +32,9 @@ def check_location(path, *, offline_tool: bool = False) -> str:
 
         if scheme == "s3" and offline_tool:
             raise CheckpointArgumentError(
-                f"{text!r} is an s3:// URL; this nxd-ckpt command reads and writes POSIX paths only (`nxd-ckpt "
-                "ls|info|verify|convert-zero1|export`, save_checkpoint and load_checkpoint take s3:// URLs). Copy "
-                f"the tag to local disk first (aws s3 sync {text} ./local_copy) and pass that path.")
+                f"{text!r} is an s3:// URL, which this argument does not take: Hugging Face and DCP directories are "
+                f"read and written on POSIX paths only (the checkpoint tags of every nxd-ckpt command may be on "
+                f"S3). Copy it to local disk first (aws s3 sync {text} ./local_copy) and pass that path.")
         if scheme != "s3" and scheme not in _ENABLED_TEST_SCHEMES:
             raise CheckpointArgumentError(
                 f"{text!r} is a {scheme}:// URL, which nxd-ckpt does not serve: pass a POSIX path (local disk, FSx "
