@@ -191,6 +191,27 @@ class FileReader:
         except CorruptCheckpointError:
             return self.load_pickle(relpath)    # a legacy (non-zip) file cannot be mapped; the full read decides
 
+    def plain_lazy(self, relpath: str) -> Optional["xser.LazyFile"]:
+        """A non-xser shard (one torch.save file) opened without reading its tensors: checked first against the
+        manifest by a streaming pass (bounded memory; without a manifest, only that it exists), then its zip
+        directory and pickle read as byte ranges; ``.tensor(t)`` reads one tensor's bytes. None for a file that
+        is not a zip torch.save file (legacy format): read it whole (``load_pickle``)."""
+        self.check_file(relpath)
+        full, name = self._full(relpath), self.where(relpath)
+
+        def read(offset: int, length: int) -> bytes:
+            try:
+                return self.storage.read(full, offset, length)
+            except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+                raise self._corrupt(relpath, "is missing") from None
+
+        size = self.storage.size(full)
+        return self._unpickled(relpath, lambda: xser.open_lazy(read, size, trusted=self.trusted, name=name))
+
+    def lazy_tensor(self, relpath: str, lazy: "xser.LazyFile", t) -> torch.Tensor:
+        """``lazy.tensor(t)`` of the shard ``relpath`` that ``plain_lazy`` opened, its errors named as ours."""
+        return self._unpickled(relpath, lambda: lazy.tensor(t))
+
     def load_tensor(self, relpath: str, mapped: Optional[bool] = None) -> torch.Tensor:
         """One xser tensor file, verified. ``mapped`` (default: the reader's): a large local file may come back
         memory-mapped (``_read_tensor_mapped``, verified in the same pass)."""

@@ -121,9 +121,12 @@ class SourceShard:
     """One saved shard file: its ref data (small for xser shards) and its tensors, loaded on demand.
     ``home_of`` (layout.tensor_home / own_home) tells which shard's folder holds a tensor file."""
 
-    def __init__(self, reader: FileReader, relpath: str, manifest: Optional[Manifest], home_of=layout.tensor_home):
+    def __init__(self, reader: FileReader, relpath: str, manifest: Optional[Manifest], home_of=layout.tensor_home,
+                 plain: bool = False):
         self.reader, self.relpath, self.home_of = reader, relpath, home_of
-        self.ref = reader.load_pickle(relpath)
+        # A plain (non-xser) shard holds its tensors in the one file: opened lazily, each tensor read when needed.
+        self.lazy = reader.plain_lazy(relpath) if plain else None
+        self.ref = self.lazy.data if self.lazy is not None else reader.load_pickle(relpath)
         meta = manifest.tensors.get(relpath) if manifest is not None else None
         # the same shape as an .info.pt entry
         self.meta: Dict[int, dict] = {int(t): m.to_json() for t, m in meta.items()} if meta else {}
@@ -134,6 +137,8 @@ class SourceShard:
         if isinstance(obj, xser.TensorReference):
             home = self.home_of(self.relpath, layout.is_expert(self.meta.get(obj.tid)))
             return self.reader.load_tensor(layout.tensor_path(home, obj.tid))
+        if self.lazy is not None:
+            return self.reader.lazy_tensor(self.relpath, self.lazy, obj)
         return obj
 
     def _meta(self, obj, key: Optional[str]) -> Optional[dict]:
@@ -178,6 +183,7 @@ class Source:
     from_masters: bool = False     # model weights kept only as ZeRO-1 master weights (NxD's
                                    # avoid_saving_lower_precision_weights)
     legacy_ep: frozenset = frozenset()   # folders in nxd-ckpt's older EP layout (every tensor in its own folder)
+    plain: bool = False                  # shards are plain torch.save files (not xser)
     _shards: Dict[tuple, SourceShard] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -194,7 +200,7 @@ class Source:
                 raise StateMismatchError(f"checkpoint {self.reader.tag!r} has no {rel}; it is needed to reshard "
                                          f"from {self.sizes.describe(self.sizes.ep > 1)}")
             home_of = layout.own_home if folder in self.legacy_ep else layout.tensor_home
-            self._shards[key] = SourceShard(self.reader, rel, self.manifest, home_of)
+            self._shards[key] = SourceShard(self.reader, rel, self.manifest, home_of, self.plain)
         return self._shards[key]
 
     def _ep(self, ep: int) -> Optional[int]:
@@ -695,7 +701,7 @@ def read_resharded(reader: FileReader, manifest: Optional[Manifest], saved: dict
     caller); raises StateMismatchError naming the keys that cannot be resharded. ``num_workers`` threads
     read and reshard tensors at once, holding at most ``inflight_bytes`` of them (beyond the new shard)."""
     src = Source(reader, manifest, saved_sizes(saved), max(1, num_workers), inflight_bytes,
-                 bool(saved.get("from_masters")), frozenset(saved.get("legacy_ep") or ()))
+                 bool(saved.get("from_masters")), frozenset(saved.get("legacy_ep") or ()), not saved.get("xser"))
     out: Dict[str, object] = {}
     zero1 = bool(saved.get("zero1")) and not saved.get("zero1_dcp")   # a DCP optimizer is refused up front
     if (zero1 or src.from_masters) and not src.sizes.dp:

@@ -1,0 +1,191 @@
+"""Resharding reads only what a rank needs from plain (non-xser) shards, and its memory stays bounded.
+
+A model and its Adam state saved at TP=2 as plain ``torch.save`` shards (one file per shard) is resharded for
+each rank of TP=4, through a Storage that counts every byte read. Per rank and shard file: the ranged reads are
+the file's non-tensor bytes (zip directory, headers, pickle) plus only the tensors that overlap the rank's new
+shard, each read once; with a manifest the file is also checked by one streaming pass (bounded: no whole-file
+read); without one (an NxD checkpoint) nothing else is read. The source tensors alive at any moment never exceed
+the rank's new shard plus the largest source tensor it reads."""
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+import weakref
+
+import pytest
+import torch
+from harness import run_ranks
+
+from nxd_ckpt.partition import Partition, split_tp, tp_overlaps
+from nxd_ckpt.storage import LocalStorage
+
+SHAPES = {"col": (256, 64), "row": (64, 256), "norm": (64,)}
+PARTS = {"col": Partition(0, 2), "row": Partition(1), "norm": None}
+
+
+def _full(seed):
+    g = torch.Generator().manual_seed(seed)
+    return {k: torch.randn(s, generator=g) for k, s in SHAPES.items()}
+
+
+class _Model(torch.nn.Module):
+    def __init__(self, tp: int, t: int):
+        super().__init__()
+        for k, v in _full(3).items():
+            p = torch.nn.Parameter(split_tp(v, PARTS[k], tp, t).clone())
+            if PARTS[k] is not None:
+                p.tensor_model_parallel, p.partition_dim, p.partition_stride = True, PARTS[k].dim, PARTS[k].stride
+            setattr(self, k, p)
+
+    def step(self, opt, tp: int, t: int) -> None:
+        grads = _full(4)
+        for k, p in self.named_parameters():
+            p.grad = split_tp(grads[k], PARTS[k], tp, t).clone()
+        opt.step()
+
+
+def _save_tp2(rank, world, root):
+    import nxd_ckpt
+    import parallel_state as ps
+
+    ps.initialize_model_parallel(tensor_model_parallel_size=2)
+    t = ps.get_tensor_model_parallel_rank()
+    model = _Model(2, t)
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    model.step(opt, 2, t)
+    nxd_ckpt.save_checkpoint(root, "s", model=model, optimizer=opt, use_xser=False)
+    return True
+
+
+@pytest.fixture(scope="module")
+def tp2(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("ranges") / "ckpt")
+    run_ranks(_save_tp2, 2, root, timeout=120)
+    ref = _Model(1, 0)
+    opt = torch.optim.Adam(ref.parameters(), lr=0.1)
+    ref.step(opt, 1, 0)
+    state = {k: {"param": p.detach().clone(), "exp_avg": opt.state[p]["exp_avg"], "exp_avg_sq": opt.state[p]["exp_avg_sq"]}
+             for k, p in ref.named_parameters()}
+    return root, state
+
+
+class _Counting(LocalStorage):
+    """A LocalStorage that records every read (path, bytes) and every streaming check."""
+
+    def __init__(self, root):
+        super().__init__(root)
+        self.reads, self.streamed, self.lock = [], [], threading.Lock()
+
+    def read(self, relpath, offset=0, length=None):
+        data = super().read(relpath, offset, length)
+        with self.lock:
+            self.reads.append((relpath, len(data)))
+        return data
+
+    def crc32c(self, relpath):
+        self.streamed.append(relpath)
+        return super().crc32c(relpath)
+
+
+class _Live:
+    """Bytes of source tensors alive now (read, not yet freed), and the most at once."""
+
+    def __init__(self):
+        self.now = self.peak = 0
+        self.largest = 0
+        self.lock = threading.Lock()
+
+    def track(self, t: torch.Tensor) -> torch.Tensor:
+        n = t.untyped_storage().nbytes()
+        with self.lock:
+            self.now += n
+            self.peak, self.largest = max(self.peak, self.now), max(self.largest, n)
+        weakref.finalize(t, self._free, n)
+        return t
+
+    def _free(self, n):
+        with self.lock:
+            self.now -= n
+
+
+def _reshard_for(root, tag, rank, with_manifest):
+    """read_resharded for TP rank ``rank`` of 4, through a counting storage; (state, storage, live, model)."""
+    from nxd_ckpt import loader, manifest as manifest_mod, reshard_load
+    from nxd_ckpt.reader import FileReader
+    from nxd_ckpt.world import World
+    from parallel_state.topology import Topology
+
+    storage = _Counting(root)
+    manifest = manifest_mod.read(storage, tag) if with_manifest else None
+    saved = loader.saved_topology(storage, tag, manifest)
+    model = _Model(4, rank)
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    target = reshard_load.target_of(model, World(rank, 4, rank, 4, Topology(4, tp=4), False))
+    reader = FileReader(storage, tag, manifest)
+    live, lazy_tensor = _Live(), reader.lazy_tensor
+    reader.lazy_tensor = lambda rel, lazy, t: live.track(lazy_tensor(rel, lazy, t))
+    storage.reads.clear()
+    out = reshard_load.read_resharded(reader, manifest, saved, target, want_model=True, optimizer=opt, num_workers=1)
+    return out, storage, live, model
+
+
+def _needed(rank: int):
+    """{saved TP rank: keys whose saved shard overlaps TP rank ``rank`` of 4} (replicated: from TP rank 0)."""
+    out = {0: set(), 1: set()}
+    for k, shape in SHAPES.items():
+        for r in (0, 1):
+            part = PARTS[k]
+            if part is None:
+                hit = r == 0
+            else:
+                hit = bool(tp_overlaps(shape[part.dim], part, 2, r, 4, rank))
+            if hit:
+                out[r].add(k)
+    return out
+
+
+def _nbytes(k):
+    return torch.empty(SHAPES[k]).nbytes // (2 if PARTS[k] is not None else 1)   # one saved TP=2 shard
+
+
+@pytest.mark.parametrize("with_manifest", [True, False], ids=["ours", "no_manifest"])
+def test_plain_shards_are_read_by_ranges_with_bounded_memory(tp2, tmp_path, with_manifest):
+    root, full = tp2
+    tag = "s"
+    if not with_manifest:    # as neuronx-distributed writes it: no manifest to check against
+        root = str(tmp_path / "nxd")
+        shutil.copytree(os.path.join(tp2[0], "s"), os.path.join(root, tag))
+        os.remove(os.path.join(root, tag, "manifest.json"))
+    for rank in range(4):
+        out, storage, live, model = _reshard_for(root, tag, rank, with_manifest)
+        # values: this rank's TP=4 shard of the full state, bit for bit
+        for k, p in model.named_parameters():
+            want = {f: split_tp(full[k][f], PARTS[k], 4, rank) for f in ("param", "exp_avg", "exp_avg_sq")}
+            assert torch.equal(out["model"][k], want["param"]), (rank, k)
+            i = list(SHAPES).index(k)
+            for f in ("exp_avg", "exp_avg_sq"):
+                assert torch.equal(out["optim"]["state"][i][f], want[f]), (rank, k, f)
+        needed = _needed(rank)
+        new_shard = sum(3 * t.nbytes for t in model.parameters())           # parameter + two moments
+        for r in (0, 1):
+            for folder in ("model", "optim"):
+                rel = f"{folder}/dp_rank_00_tp_rank_{r:02d}_pp_rank_00.pt"
+                size = os.path.getsize(os.path.join(root, tag, rel))
+                got = sum(n for p, n in storage.reads if p == f"{tag}/{rel}")
+                moments = 2 if folder == "optim" else 1
+                tensors = moments * sum(_nbytes(k) for k in SHAPES)        # every key's saved shard
+                want = moments * sum(_nbytes(k) for k in needed[r])
+                if not needed[r]:
+                    assert got == 0, f"rank {rank} read {rel}, which holds nothing it needs"
+                    continue
+                overhead = size - tensors          # zip directory, headers, pickle (and the steps)
+                assert want <= got <= want + overhead, (rank, rel, got, want, overhead, size)
+                assert got < size or want == tensors, (rank, rel, got, size)
+        if with_manifest:     # each file it opened checked once against the manifest, by a streaming pass
+            assert sorted(storage.streamed) == sorted(set(p for p, _ in storage.reads))
+        else:
+            assert storage.streamed == []
+        largest = max(_nbytes(k) for k in SHAPES)
+        assert live.largest <= largest
+        assert live.peak <= new_shard + largest, (rank, live.peak, new_shard, largest)

@@ -1,0 +1,77 @@
+"""xser.open_lazy: the tensors of a torch.save file, read one at a time by byte ranges."""
+from __future__ import annotations
+
+import collections
+import io
+
+import pytest
+import torch
+
+import xser
+from xser import container
+
+
+def _state():
+    g = torch.Generator().manual_seed(0)
+    return {"a": torch.randn(5, 7, generator=g), "view": torch.arange(10, dtype=torch.int64)[2:6],
+            "t": torch.randn(4, 3, generator=g).t(), "s": torch.tensor(3.0), "empty": torch.empty(0, 3),
+            "bf16": torch.randn(3, 3, generator=g).bfloat16(), "mask": torch.tensor([True, False]), "n": 5,
+            "nested": {"x": [torch.ones(2), "text"]}}
+
+
+def _reader(data: bytes, log: list):
+    def read(offset, length):
+        log.append((offset, length))
+        return data[offset:offset + length]
+    return read
+
+
+@pytest.mark.parametrize("save", [torch.save, container.save], ids=["torch.save", "no_crc"])
+@pytest.mark.parametrize("trusted", [False, True])
+def test_every_tensor_reads_back_exactly_and_only_its_bytes(save, trusted):
+    state = _state()
+    buf = io.BytesIO()
+    save(state, buf)
+    data, log = buf.getvalue(), []
+    lazy = xser.open_lazy(_reader(data, log), len(data), trusted=trusted)
+    assert lazy.data["a"].device.type == "meta" and lazy.data["n"] == 5 and lazy.data["nested"]["x"][1] == "text"
+    for key in ("a", "view", "t", "s", "empty", "bf16", "mask"):
+        before = len(log)
+        got = lazy.tensor(lazy.data[key])
+        want = state[key]
+        assert got.dtype == want.dtype and got.shape == want.shape and torch.equal(got, want), key
+        data_reads = [n for _, n in log[before:]][-1:] if want.numel() else []
+        if want.is_contiguous() and want.numel():   # just the tensor's own span (a view: not its whole storage)
+            assert data_reads == [want.nbytes], (key, log[before:])
+    assert torch.equal(lazy.tensor(lazy.data["nested"]["x"][0]), torch.ones(2))
+
+
+def test_not_a_zip_file_is_none_and_damage_is_named():
+    buf = io.BytesIO()
+    torch.save(_state(), buf, _use_new_zipfile_serialization=False)
+    legacy = buf.getvalue()
+    assert xser.open_lazy(_reader(legacy, []), len(legacy)) is None
+    buf = io.BytesIO()
+    torch.save({"big": torch.zeros(1000)}, buf)
+    data = buf.getvalue()
+    lazy = xser.open_lazy(_reader(data, []), len(data), name="shard.pt")
+    short = xser.open_lazy(lambda o, n: data[o:o + n][: max(0, n - 8)] if n > 1000 else data[o:o + n], len(data),
+                           name="shard.pt")
+    with pytest.raises(xser.CorruptFileError, match="shard.pt is truncated"):
+        short.tensor(short.data["big"])
+    assert torch.equal(lazy.tensor(lazy.data["big"]), torch.zeros(1000))
+
+
+class Custom:
+    def __init__(self, v):
+        self.v = v
+
+
+def test_unsafe_pickle_is_refused_unless_trusted():
+    buf = io.BytesIO()
+    torch.save({"d": collections.OrderedDict(a=torch.ones(1)), "c": Custom(3)}, buf)
+    data = buf.getvalue()
+    with pytest.raises(xser.UnsafeCheckpointError, match="Custom"):
+        xser.open_lazy(_reader(data, []), len(data), name="f")
+    lazy = xser.open_lazy(_reader(data, []), len(data), trusted=True)
+    assert lazy.data["c"].v == 3 and torch.equal(lazy.tensor(lazy.data["d"]["a"]), torch.ones(1))
