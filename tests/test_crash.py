@@ -48,11 +48,11 @@ PHASES = {
 }
 
 
-# The object-store backend runs the phases that touch storage (not "snapshot"), one victim each; S3 (moto's
-# server on 127.0.0.1) one and all ranks killed mid-upload.
-CASES = ([("posix", phase, "one") for phase in PHASES]
-         + [pytest.param("posix", phase, "all", marks=pytest.mark.slow) for phase in PHASES]
-         + [("objects", phase, "one") for phase in PHASES if phase != "snapshot"]
+# Every kill point on both commit strategies: POSIX (rename) and the shared-directory object store (marker),
+# one victim and every rank; S3 (moto's server on 127.0.0.1) one and all ranks killed mid-upload.
+CASES = ([(backend, phase, "one") for backend in ("posix", "objects") for phase in PHASES]
+         + [pytest.param(backend, phase, "all", marks=pytest.mark.slow)
+            for backend in ("posix", "objects") for phase in PHASES]
          + [("s3", "write", "one"), ("s3", "write", "all")])
 
 
