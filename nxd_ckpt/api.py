@@ -8,8 +8,9 @@ from typing import List, Optional
 
 from . import commit, hostgroups
 from .capture import build_plan, validate_save_args
+from .coord import peer_grace
 from .engine import get_engine
-from .errors import CheckpointArgumentError, CheckpointNotFoundError, CorruptCheckpointError, RankFailureError
+from .errors import CheckpointArgumentError, CorruptCheckpointError, RankFailureError
 from .loader import (agree, agreed_candidates, apply_ignore_keys, apply_model, apply_optimizer, check_model,
                      check_optimizer, copies_every_tensor, read_tag)
 from .storage import check_location, open_storage
@@ -79,9 +80,10 @@ def load_checkpoint(path, tag=None, model=None, optimizer=None, scheduler=None, 
     its own copy of the checkpoint on local disk: each rank reads its own files). A checkpoint saved at
     other TP / PP / ZeRO-1 DP sizes is resharded into this job's sizes (needs ``model``); ``reshard=False``
     refuses it with TopologyMismatchError instead.
-    ``timeout_s``: how long any exchange waits for another rank (the same value on every rank); a rank that
-    does not answer in time makes every waiting rank raise RankFailureError. On S3 also one deadline for
-    all of this rank's requests of the load; past it the load raises RankFailureError.
+    ``timeout_s``: the deadline of this rank's storage requests on S3 (past it the load raises
+    RankFailureError, and the other ranks raise the same cause); an exchange waits for another rank
+    ``timeout_s`` plus a grace of min(timeout_s, 60 s) (the same value on every rank), then every waiting
+    rank raises RankFailureError. Only rank 0 lists the checkpoint directory.
     """
     root = check_location(path)
     if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
@@ -92,9 +94,9 @@ def load_checkpoint(path, tag=None, model=None, optimizer=None, scheduler=None, 
         raise CheckpointArgumentError(f"reshard must be True or False, got {reshard!r}")
     storage = open_storage(root, timeout_s=timeout_s, workers=num_workers)
     try:
-        if not storage.isdir(""):
-            raise CheckpointNotFoundError(f"checkpoint directory {root!r} does not exist")
-        with hostgroups.timeout(timeout_s):
+        # A peer's exchange waits past this rank's storage deadline (timeout_s), so that it receives this
+        # rank's storage failure rather than timing out at the same moment.
+        with hostgroups.timeout(timeout_s + peer_grace(timeout_s)):
             return _load_newest(storage, tag, model, optimizer, scheduler, num_workers, strict, ignore_keys,
                                 trusted, node_local, reshard)
     except S3Error as exc:
@@ -103,7 +105,7 @@ def load_checkpoint(path, tag=None, model=None, optimizer=None, scheduler=None, 
         if "timed out" not in str(exc).lower() and "timeout" not in str(exc).lower():
             raise
         raise RankFailureError(
-            f"load_checkpoint from {root}: another rank did not answer within {timeout_s:.0f}s (hung or "
+            f"load_checkpoint from {root}: another rank did not answer within {timeout_s + peer_grace(timeout_s):.0f}s (hung or "
             f"dead): {str(exc).splitlines()[0]}. Nothing was changed on this rank; check the other ranks' logs") from exc
 
 

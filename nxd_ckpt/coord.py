@@ -16,6 +16,13 @@ from .errors import RankFailureError
 _POLL_S = 0.05
 
 
+def peer_grace(timeout_s: float) -> float:
+    """How much longer than ``timeout_s`` a rank waits for a peer whose own work is bounded by ``timeout_s``
+    (its storage deadline): long enough to receive the peer's real failure instead of racing it with a bare
+    "hung or dead"."""
+    return min(timeout_s, 60.0)
+
+
 class Coordinator:
     """Store-backed exchange for one save (keys under a per-save prefix)."""
 
@@ -39,7 +46,7 @@ class Coordinator:
         its failure; waiting a grace beyond that lets this rank raise the owner's real cause rather than
         racing it with a bare "hung or dead"."""
         key = self._key(name)
-        waited = self.timeout_s + min(self.timeout_s, 60.0)
+        waited = self.timeout_s + peer_grace(self.timeout_s)
         if not self._wait_keys([key], waited):
             raise RankFailureError(
                 f"rank {self.rank} waited {waited:.0f}s for {what} from rank {owner}, which is hung or "
@@ -75,7 +82,7 @@ class Coordinator:
         reports, it is the one that failed."""
         key = self._key(name)
         report_keys = {r: self._key(f"{reports}/{r}") for r in range(self.world_size)}
-        grace = min(self.timeout_s, 60.0)
+        grace = peer_grace(self.timeout_s)
         start = time.monotonic()
         seen: Dict[int, float] = {}
         while True:

@@ -34,7 +34,9 @@ IgnoreKeys = Union[None, str, Sequence[str], Callable[[dict], Optional[dict]]]
 # --- which tag -------------------------------------------------------------------------------------
 def candidate_tags(storage: Storage, tag) -> List[str]:
     """The directories to try, in order: the explicit tag's, or every complete tag's newest first (a tag
-    that a crash during publish left under a suffixed name is read there)."""
+    that a crash during publish left under a suffixed name is read there). Rank 0 alone calls it."""
+    if not storage.isdir(""):
+        raise CheckpointNotFoundError(f"checkpoint directory {storage.root!r} does not exist")
     if tag is not None:
         tag = layout.validate_tag(tag)
         recoverable = {} if storage.exists(tag) else commit.recoverable_tags(storage)
@@ -182,7 +184,7 @@ def agreed_candidates(storage: Storage, tag, node_local: bool = False) -> List[s
         mine, error = (candidate_tags(storage, tag) if root else _checked_tag(tag)), None
     except ValueError as exc:   # a bad tag
         mine, error = None, exc if isinstance(exc, errors.CheckpointError) else errors.CheckpointArgumentError(str(exc))
-    except errors.CheckpointError as exc:
+    except (errors.CheckpointError, S3Error) as exc:   # shared, so every rank raises rank 0's cause
         mine, error = None, exc
     gathered = hostgroups.all_gather_objects((mine, _status(error), bool(node_local)))
     if len({g[2] for g in gathered}) > 1:

@@ -219,12 +219,13 @@ def _stuck_load_rank(rank, world, url, tag, timeout_s):
     return ("loaded", "") + _last_attempt_vs_deadline()
 
 
-@pytest.mark.parametrize("tag,only", [(None, None), ("good", b"tensor_0.pt")], ids=["at-listing", "one-reader"])
+@pytest.mark.parametrize("tag,only", [(None, b"list-type=2"), ("good", b"tensor_0.pt")],
+                         ids=["rank-0-listing", "one-reader"])
 def test_server_that_stops_answering_fails_a_two_rank_load_on_both_ranks(fault_proxy, tag, only):
     """Two ranks load (DP=2: each tensor file is read by one replica and broadcast) from a server that stops
-    answering: from the first request, or for the one file only rank 0 reads (rank 1
-    has its files and waits for rank 0). Each rank raises RankFailureError carrying the S3 cause (none
-    hangs: run_ranks fails on a rank that does not return; rank 1 raises rank 0's cause, not a bare
+    answering LIST requests (only rank 0 lists the directory), or only the one file rank 0 reads (rank 1 has
+    its files and waits for rank 0). Each rank raises RankFailureError carrying rank 0's S3 cause (none hangs:
+    run_ranks fails on a rank that does not return; rank 1 neither times out on its own nor raises a bare
     CheckpointError), and no rank's S3 layer starts a request after its load's deadline."""
     import nxd_ckpt
     from s3_fixtures import S3_ENV
@@ -238,8 +239,10 @@ def test_server_that_stops_answering_fails_a_two_rank_load_on_both_ranks(fault_p
     assert [o[0] for o in out] == ["RankFailureError"] * 2, out
     assert all("S3 " in o[1] and url.split("/")[2] in o[1] for o in out), messages
     assert all("Nothing was changed on this rank" in o[1] for o in out), messages
-    if only == b"tensor_0.pt":
-        assert "tensor_0.pt" in out[0][1] and "rank 0 could not read the checkpoint" in out[1][1], messages
+    # only rank 0's requests hang: rank 1 raises rank 0's cause
+    what = "tensor_0.pt" if only == b"tensor_0.pt" else "list_objects_v2"
+    assert what in out[0][1] and what in out[1][1], messages
+    assert "rank 0 could not read the checkpoint" in out[1][1], messages
     last_attempt, deadline = out[0][2], out[0][3]
     assert last_attempt is not None and last_attempt < deadline, out
     for last_attempt, deadline in (o[2:] for o in out[1:]):
