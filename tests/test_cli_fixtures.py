@@ -15,8 +15,24 @@ import torch
 import xser
 from nxd_ckpt import layout
 from nxd_ckpt import manifest as manifest_mod
-from nxd_ckpt.storage import LocalStorage
+from nxd_ckpt.storage import LocalStorage, open_storage
 from nxd_ckpt.testing.zero1_adam import shard_of
+
+
+def upload(local_dir: str, url: str) -> str:
+    """Copy a local tree to a path or URL (any backend), key for key; returns ``url``."""
+    src, dst = LocalStorage(local_dir), open_storage(url)
+    for rel in src.list(""):
+        dst.write_bytes(rel, src.read(rel))
+    return url
+
+
+def download(url: str, local_dir: str) -> str:
+    """Copy the tree at a path or URL to a local directory; returns ``local_dir``."""
+    src, dst = open_storage(url), LocalStorage(local_dir)
+    for rel in src.list(""):
+        dst.write_bytes(rel, src.read(rel))
+    return local_dir
 
 
 def _paths(ref_data, path=()):

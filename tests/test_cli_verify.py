@@ -8,9 +8,11 @@ import shutil
 import pytest
 import torch
 
+import backends  # noqa: F401 - enables objdir://
 from nxd_ckpt.cli import main
+from nxd_ckpt.storage import open_storage
 from nxd_ckpt.verify import verify_dir, verify_tag
-from test_cli_fixtures import write_tag, zero1_tag
+from test_cli_fixtures import upload, write_tag, zero1_tag
 
 REF = "model/dp_rank_00_tp_rank_00_pp_rank_00.pt"
 TENSOR = REF + ".tensors/tensor_1.pt"
@@ -24,6 +26,14 @@ def _model():
 def ours(tmp_path):
     return write_tag(str(tmp_path / "ck"), "step_1", model=_model(), scheduler={"last_epoch": 1},
                      user_content={"step": 1})
+
+
+@pytest.fixture(params=backends.BACKENDS)
+def ours_on(request, tmp_path):
+    """``ours`` on each backend: a POSIX tag directory, or the same files in an object store (objdir://)."""
+    tag = write_tag(str(tmp_path / "ck"), "step_1", model=_model(), scheduler={"last_epoch": 1},
+                    user_content={"step": 1})
+    return tag if request.param == "posix" else upload(tag, backends.root_for("objects", tmp_path) + "/step_1")
 
 
 @pytest.fixture
@@ -43,11 +53,11 @@ def _flip(path, offset=None):
     open(path, "wb").write(bytes(data))
 
 
-def test_intact_checkpoint_passes(ours, capsys):
-    code, out = _verify(capsys, ours)
+def test_intact_checkpoint_passes(ours_on, capsys):
+    code, out = _verify(capsys, ours_on)
     assert code == 0, out.out
     assert out.out.startswith("OK")
-    code, out = _verify(capsys, os.path.dirname(ours), "--json", "--workers", "2")
+    code, out = _verify(capsys, ours_on.rpartition("/")[0], "--json", "--workers", "2")
     assert code == 0
     doc = json.loads(out.out)
     assert doc["ok"] and doc["tags"][0]["tag"] == "step_1" and doc["tags"][0]["files_checked"] == 10
@@ -59,22 +69,24 @@ def test_intact_checkpoint_passes(ours, capsys):
     ("delete_tensor", "missing"),
     ("delete_ref", "missing"),
 ])
-def test_damage_is_named(ours, capsys, damage, needle):
-    target = os.path.join(ours, REF if damage == "delete_ref" else TENSOR)
+def test_damage_is_named(ours_on, capsys, damage, needle):
+    st = open_storage(ours_on)
+    rel = REF if damage == "delete_ref" else TENSOR
     if damage == "flip":
-        _flip(target)
+        data = bytearray(st.read(rel))
+        data[len(data) // 2] ^= 0x01
+        st.write_bytes(rel, bytes(data))
     elif damage == "truncate":
-        open(target, "r+b").truncate(os.path.getsize(target) - 7)
+        st.write_bytes(rel, st.read(rel)[:-7])
     else:
-        os.unlink(target)
-    code, out = _verify(capsys, ours)
+        st.delete_many([rel])
+    code, out = _verify(capsys, ours_on)
     assert code == 1
     assert "DAMAGED" in out.out and needle in out.out
-    assert target in out.out
-    code, out = _verify(capsys, os.path.dirname(ours), "--json")
+    assert (st.local_path(rel) or f"{ours_on}/{rel}") in out.out
+    code, out = _verify(capsys, ours_on.rpartition("/")[0], "--json")
     doc = json.loads(out.out)
     assert code == 1 and not doc["ok"]
-    rel = os.path.relpath(target, ours)
     assert [p["file"] for p in doc["tags"][0]["problems"]] == [rel]
 
 

@@ -16,7 +16,7 @@ from nxd_ckpt import layout
 from nxd_ckpt.cli import main
 from nxd_ckpt.storage import LocalStorage, open_storage
 from nxd_ckpt.storage.testing import disable_test_schemes, enable_test_schemes
-from test_cli_fixtures import assert_bit_equal, load_shard, zero1_states, zero1_tag
+from test_cli_fixtures import assert_bit_equal, download, load_shard, upload, zero1_states, zero1_tag
 
 # Files whose bytes name the run (the source path in the manifest; `done` seals the manifest).
 _NAMED = {layout.MANIFEST_FILE, layout.DONE_MARKER}
@@ -39,19 +39,6 @@ def _base(kind: str, tmp_path) -> str:
 
 
 BACKENDS = ["local", "mem", "objdir"]
-
-
-def upload(local_dir: str, url: str) -> None:
-    src, dst = LocalStorage(local_dir), open_storage(url)
-    for rel in src.list(""):
-        dst.write_bytes(rel, src.read(rel))
-
-
-def download(url: str, local_dir: str) -> str:
-    src, dst = open_storage(url), LocalStorage(local_dir)
-    for rel in src.list(""):
-        dst.write_bytes(rel, src.read(rel))
-    return local_dir
 
 
 def assert_same_tree(got_url: str, want_dir: str) -> None:
