@@ -50,9 +50,10 @@ class HostBudget:
         self.used = 0
         self._cond = threading.Condition()
 
-    def acquire(self, nbytes: int, timeout: float) -> float:
-        """Take ``nbytes``; block until free. A request above capacity waits for an empty budget and is
-        then granted alone. Returns the seconds waited; raises TimeoutError after ``timeout``."""
+    def lease(self, nbytes: int, timeout: float) -> "HostLease":
+        """Take ``nbytes`` as a lease; block until they are free. A request above capacity waits for an empty
+        budget and is then granted alone. Raises TimeoutError after ``timeout``. The only way to take
+        budget; :meth:`HostLease.release` is the only way to give it back."""
         start = time.monotonic()
         need = min(nbytes, self.capacity)
         with self._cond:
@@ -63,21 +64,12 @@ class HostBudget:
                     f"({self.used} of {self.capacity} still held by unfinished writes)"
                 )
             self.used += nbytes
-        return time.monotonic() - start
+        return HostLease(self, nbytes, time.monotonic() - start)
 
-    def release(self, nbytes: int) -> None:
+    def _give_back(self, nbytes: int) -> None:
         with self._cond:
             self.used = max(0, self.used - nbytes)
             self._cond.notify_all()
-
-    def free(self) -> int:
-        with self._cond:
-            return self.capacity - self.used
-
-    def lease(self, nbytes: int, timeout: float) -> "HostLease":
-        """Take ``nbytes`` as in :meth:`acquire` and return them as a lease (``lease.waited_s``: the wait)."""
-        waited = self.acquire(nbytes, timeout)
-        return HostLease(self, nbytes, waited)
 
 
 class HostLease:
@@ -104,7 +96,7 @@ class HostLease:
         with self._lock:
             nbytes, self.nbytes = self.nbytes, 0
         if nbytes and self._budget is not None:
-            self._budget.release(nbytes)
+            self._budget._give_back(nbytes)
 
     def __enter__(self) -> "HostLease":
         return self

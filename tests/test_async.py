@@ -149,6 +149,27 @@ def test_device_snapshot_mode(ckpt_root):
     assert_bit_equal(expect, to_cpu_state(fresh.state_dict()))
 
 
+def test_host_lease_gives_back_exactly_what_it_took():
+    """A snapshot chunk's lease hands parts to its files; each part and the undistributed rest go back once."""
+    from nxd_ckpt.staging import HostBudget
+
+    budget = HostBudget(100)
+    with budget.lease(60, timeout=1) as chunk:
+        first, second = chunk.part(25), chunk.part(25)
+        assert budget.used == 60
+    assert budget.used == 50                      # the 10 bytes no file took went back with the chunk
+    first.release()
+    first.release()                               # a second release gives nothing back twice
+    assert budget.used == 25
+    second.release()
+    assert budget.used == 0
+    big = budget.lease(150, timeout=1)            # above capacity: granted alone, on an empty budget
+    with pytest.raises(TimeoutError, match="150 of 100 still held"):
+        budget.lease(1, timeout=0.05)
+    big.release()
+    assert budget.used == 0
+
+
 def test_a_failed_snapshot_gives_its_host_memory_back(tmp_path, monkeypatch):
     """The device-to-host copy fails after the snapshot took its host staging memory: the save raises the
     copy's error, and the memory is back in the budget (it used to stay taken until the process ended)."""
