@@ -242,9 +242,9 @@ def _cmd_convert_state(args) -> int:
 
 #: every command's arguments that name a file or directory (each is checked by storage.check_location)
 _PATH_ARGS = ("dir", "tag", "path", "input_dir", "output_dir", "output", "src", "dst", "hf_dir")
-#: the arguments that take POSIX paths only (the readers and writers behind them use the filesystem):
-#: a Hugging Face directory, a DCP directory; every other path argument also takes s3:// URLs
-_POSIX_ONLY = {"import": ("hf_dir",), "to-dcp": ("dst",), "from-dcp": ("src",)}
+#: the arguments that take POSIX paths only (the reader behind them uses the filesystem): a Hugging Face
+#: directory; every other path argument also takes s3:// URLs
+_POSIX_ONLY = {"import": ("hf_dir",)}
 
 
 # --- entry points ---------------------------------------------------------------------------------------

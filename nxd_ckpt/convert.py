@@ -18,6 +18,7 @@ import torch
 from .errors import CheckpointArgumentError
 from .fullstate import (ConversionError, FullState, TensorSource, check_tag_dir, partition_rules, read_tag,
                         rule_partition)
+from .layout import storage_at
 from .outdir import check_output_dir
 from .partition import layer_index
 from .tagwrite import TagSizes, plan_check, write_tag
@@ -213,7 +214,7 @@ def from_dcp(args) -> ConvertSummary:
     recorded = any(t.partition is not None for t in state.model)
     check_rules(state, rules, args.partition, sizes.tp, recorded, f"DCP_DIR {args.src}")
     plan_check(state, sizes)
-    res = write_tag(state, dst, sizes, converted_from={"path": os.path.abspath(args.src), "format": "dcp"})
+    res = write_tag(state, dst, sizes, converted_from={"path": storage_at(args.src).root, "format": "dcp"})
     return _finish("from-dcp", dst, t0, res)
 
 

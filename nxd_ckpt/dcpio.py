@@ -38,9 +38,8 @@ from . import manifest as manifest_mod
 from .errors import CheckpointArgumentError, CorruptCheckpointError
 from .fullstate import (ConversionError, FullState, OptimState, ParamState, TensorSource, natural_step,
                         rule_partition)
-from .outdir import progress_bar, staged_output
+from .outdir import output_tree, progress_bar
 from .partition import Partition
-from .storage.local import file_crc32c
 
 LAYOUTS = ("plain", "torchtitan")
 META_KEY = "nxd_ckpt"
@@ -167,10 +166,9 @@ def _meta_bytes(state: FullState, layout_kind: str) -> bytes:
     return buf.getvalue()
 
 
-def _streaming_planner(loaders: Dict[str, TensorSource], bar, failed: List[BaseException]):
-    """A SavePlanner that loads each tensor from its source when the writer asks for it. A failure to read
-    (damaged input, ...) is recorded in ``failed`` and every later tensor is handed over empty, so the
-    writer's threads finish at once; the caller raises the recorded error and discards the output."""
+def _streaming_planner(loaders: Dict[str, TensorSource], bar):
+    """A SavePlanner that loads each tensor from its source when the writer asks for it (in the writer's
+    threads)."""
     from torch.distributed.checkpoint import DefaultSavePlanner
     from torch.distributed.checkpoint.planner import WriteItemType
 
@@ -179,13 +177,7 @@ def _streaming_planner(loaders: Dict[str, TensorSource], bar, failed: List[BaseE
             src = loaders.get(write_item.index.fqn)
             if src is None or write_item.type == WriteItemType.BYTE_IO:
                 return super().resolve_data(write_item)
-            if failed:
-                return torch.empty(0, dtype=src.dtype)
-            try:
-                t = src.checked().contiguous()
-            except Exception as exc:  # noqa: BLE001 - raised by write_dcp once DCP's threads are done
-                failed.append(exc)
-                return torch.empty(0, dtype=src.dtype)
+            t = src.checked()
             if bar is not None:
                 bar.update(src.nbytes)
             return t
@@ -193,86 +185,210 @@ def _streaming_planner(loaders: Dict[str, TensorSource], bar, failed: List[BaseE
     return StreamingSavePlanner()
 
 
+#: writer threads: while one reads and joins the next tensor the other writes one (2 cores measured here)
+WRITE_THREADS = 2
+
+
+def _storage_writer(store, checkpoint_id: str):
+    """A torch.distributed.checkpoint StorageWriter onto a ``Storage`` (a POSIX directory or an object store
+    prefix) for a no-process-group save. It writes what FileSystemWriter(single_file_per_rank=False) writes:
+    one ``__0_N.distcp`` per entry (the tensor in torch.save's format, the bytes of a non-tensor entry) and
+    the pickled ``.metadata``, so torch's FileSystemReader reads the result. One file per entry also bounds
+    memory: each tensor is dropped once written. Differences, invisible to readers: the zip CRC-32 fields are
+    0 (xser.write_tensor: nothing reads them, our CRC32C covers every byte), each file's size and CRC32C are
+    taken as it is written (``records``), files are made durable together by the caller, and ``.metadata``
+    is written in place (the caller's ``done`` marker is the commit, not a rename)."""
+    import pickle
+    from concurrent.futures import ThreadPoolExecutor
+    from torch.distributed.checkpoint import StorageWriter
+    from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, _StorageInfo
+    from torch.distributed.checkpoint.metadata import StorageMeta
+    from torch.distributed.checkpoint.planner import WriteItemType
+    from torch.distributed.checkpoint.storage import WriteResult
+
+    import xser
+
+    class Writer(StorageWriter):
+        def __init__(self):
+            super().__init__()
+            self.records: Dict[str, Any] = {}
+            self.save_id = _new_id()
+
+        def reset(self, checkpoint_id=None) -> None:
+            pass
+
+        def set_up_storage_writer(self, is_coordinator: bool, *args, **kwargs) -> None:
+            pass
+
+        def prepare_local_plan(self, plan):
+            return plan
+
+        def prepare_global_plan(self, plans):
+            return plans
+
+        def _write(self, name: str, item, planner) -> WriteResult:
+            data = planner.resolve_data(item)
+            if item.type == WriteItemType.BYTE_IO:
+                produce = lambda f: f.write(data.getbuffer())  # noqa: E731
+            else:
+                produce = lambda f: xser.write_tensor(data, f)  # noqa: E731
+            rec = store.write_file(name, produce, durable=False, atomic=False)
+            self.records[name] = rec
+            return WriteResult(index=item.index, size_in_bytes=rec.size,
+                               storage_data=_StorageInfo(name, 0, rec.size))
+
+        def write_data(self, plan, planner):
+            with ThreadPoolExecutor(WRITE_THREADS, thread_name_prefix="to-dcp") as pool:
+                futures = [pool.submit(self._write, f"__0_{i}.distcp", item, planner)
+                           for i, item in enumerate(plan.items)]
+                try:
+                    results = [f.result() for f in futures]
+                except BaseException:
+                    for f in futures:
+                        f.cancel()
+                    raise
+            done = torch.futures.Future()
+            done.set_result(results)
+            return done
+
+        def finish(self, metadata, results) -> None:
+            import dataclasses
+
+            metadata = dataclasses.replace(metadata, version=CURRENT_DCP_VERSION)
+            metadata.storage_data = {wr.index: wr.storage_data for rs in results for wr in rs}
+            metadata.storage_meta = self.storage_meta()
+            self.records[".metadata"] = store.write_file(".metadata", lambda f: pickle.dump(metadata, f),
+                                                         durable=False, atomic=False)
+
+        def storage_meta(self):
+            return StorageMeta(checkpoint_id=checkpoint_id, save_id=self.save_id)
+
+        @classmethod
+        def validate_checkpoint_id(cls, checkpoint_id) -> bool:
+            return True
+
+    return Writer()
+
+
+def _new_id() -> str:
+    import uuid
+
+    return str(uuid.uuid4())
+
+
 @contextlib.contextmanager
-def _quiet_dcp(crc32: bool = True):
-    """DCP warns that a no-process-group save is one process (intended here) and about its own TypedStorage
-    use. ``crc32=False``: torch.save skips the zip CRC-32 (most of its CPU time; nothing reads it, and our
-    manifest's CRC32C covers every byte) -- a process-wide torch setting, restored on exit."""
-    cfg = getattr(getattr(torch.utils, "serialization", None), "config", None)
-    old = cfg.save.compute_crc32 if cfg is not None else None
+def _quiet_dcp():
+    """DCP warns that a no-process-group save or load is one process (intended here) and about its own
+    TypedStorage use."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
         warnings.filterwarnings("ignore", message=".*TypedStorage is deprecated.*")
-        try:
-            if cfg is not None and not crc32:
-                cfg.save.compute_crc32 = False
-            yield
-        finally:
-            if cfg is not None:
-                cfg.save.compute_crc32 = old
+        yield
 
 
 def write_dcp(state: FullState, dst: str, layout_kind: str = "plain", *, progress: Optional[bool] = None,
               source: str = "") -> DcpResult:
-    """Write ``state`` as a DCP checkpoint directory ``dst`` (checked by the caller with check_output_dir)."""
+    """Write ``state`` as a DCP checkpoint at ``dst``, a directory or an object-store URL (checked by the
+    caller with check_output_dir). Blocks; a failure leaves nothing at ``dst`` (the staging directory, or
+    every object written, is removed) and raises the source's error. Files are made durable together at the
+    end (output_tree), not one by one: the kernel writes them back while the next tensors are read."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
 
     if layout_kind not in LAYOUTS:
         raise CheckpointArgumentError(f"--layout {layout_kind!r} is not one of {', '.join(LAYOUTS)}")
     sd, loaders = build_state_dict(state, layout_kind)
     with progress_bar(sum(s.nbytes for s in loaders.values()), "to-dcp", progress) as bar, \
-            staged_output(dst) as stage:
-        # One file per tensor: DCP's writer keeps every tensor of a file alive until the file is done (it
-        # gathers them for its safetensors format), so one file for all would hold the whole state. Two writer
-        # threads: one reads and joins the next tensor while the other writes (measured 1.7x faster here).
-        # Files are made durable together at the end (below), not one by one: the kernel writes them back while
-        # the next tensors are read.
-        writer = dcp.FileSystemWriter(stage, single_file_per_rank=False, sync_files=False, thread_count=2)
-        failed: List[BaseException] = []
+            output_tree(dst) as store:
+        writer = _storage_writer(store, dst)
         try:
-            with _quiet_dcp(crc32=False):
-                dcp.save(sd, storage_writer=writer, planner=_streaming_planner(loaders, bar, failed), no_dist=True)
-        except Exception:
-            if failed:
-                raise failed[0] from None
-            raise
-        if failed:
-            raise failed[0]
-        files = sorted(os.listdir(stage))
-        _fsync_files(stage, files)
-        _seal(stage, os.path.basename(dst), files, layout_kind, state, source)
-    total = sum(os.path.getsize(os.path.join(dst, f)) for f in files)
+            with _quiet_dcp():
+                dcp.save(sd, storage_writer=writer, planner=_streaming_planner(loaders, bar), no_dist=True)
+        except CheckpointException as exc:
+            raise _first_cause(exc) from None
+        _seal(store, os.path.basename(dst.rstrip("/")), writer.records, layout_kind, state, source)
+    files = sorted(writer.records)
+    total = sum(r.size for r in writer.records.values())
     return DcpResult(dst, layout_kind, len(state.model), state.optim is not None, total, files)
 
 
-def _fsync_files(root: str, names: List[str]) -> None:
-    from .storage import LocalStorage
+def _first_cause(exc) -> BaseException:
+    """The error a source raised inside dcp.save (which wraps every rank's failure in CheckpointException)."""
+    for wrapped in (getattr(exc, "failures", None) or {}).values():
+        inner = wrapped[0] if isinstance(wrapped, tuple) and wrapped else wrapped   # (exception, traceback)
+        if isinstance(inner, BaseException):
+            return inner
+    return exc
 
-    LocalStorage(root).sync_files(names)
 
-
-def _seal(stage: str, name: str, files: List[str], layout_kind: str, state: FullState, source: str) -> None:
-    """Our manifest (size + CRC32C of every DCP file) and ``done``, as for a tag."""
-    from .storage import LocalStorage
-
-    entries = {}
-    for f in files:
-        size, crc = file_crc32c(os.path.join(stage, f))
-        entries[f] = {"size": size, "crc32c": f"{crc:08x}", "rank": 0}
+def _seal(store, name: str, records: Dict[str, Any], layout_kind: str, state: FullState, source: str) -> None:
+    """Our manifest (size + CRC32C of every DCP file, taken as they were written) and ``done``, as for a tag."""
+    entries = {rel: {**rec.to_json(), "rank": 0} for rel, rec in sorted(records.items())}
     man = manifest_mod.build(name, dict(state.topology), {"dcp": True, "layout": layout_kind, "zero1": False,
                                                             "xser": False, "has_model": True,
                                                             "has_optim": state.optim is not None}, entries, {})
     man.extra["converted_from"] = {"path": source}
     body = man.body()
-    store = LocalStorage(stage)
     store.write_bytes("manifest.json", body)
     store.write_bytes("done", manifest_mod.seal(body))
 
 
 # --- reading -------------------------------------------------------------------------------------------
-def _fs_reader_with(path: str, metadata):
-    """torch's FileSystemReader, but with the .metadata already read by dcpmeta: its own read_metadata is a plain
-    pickle.load of the file."""
+class _RangeStream(io.RawIOBase):
+    """A read-only, seekable file over one key of a Storage, read in ranges (what torch's FileSystemReader
+    needs from a file: seek, read, tell)."""
+
+    def __init__(self, store, rel: str):
+        super().__init__()
+        self._store, self._rel = store, rel
+        self._size = store.size(rel)
+        self._pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def readinto(self, out) -> int:
+        n = max(0, min(len(out), self._size - self._pos))
+        if n:
+            memoryview(out).cast("B")[:n] = self._store.read(self._rel, self._pos, n)
+        self._pos += n
+        return n
+
+
+class _StorageFS:
+    """What torch's FileSystemReader calls on its ``fs``, served by a Storage (keys relative to its root)."""
+
+    def __init__(self, store):
+        self.store = store
+
+    def init_path(self, path):
+        return ""
+
+    def concat_path(self, path, suffix):
+        return f"{path}/{suffix}" if path else str(suffix)
+
+    @contextlib.contextmanager
+    def create_stream(self, path, mode: str):
+        if "r" not in mode:
+            raise ValueError(f"{self.store.root}: a DCP checkpoint is only read here")
+        with io.BufferedReader(_RangeStream(self.store, str(path)), buffer_size=8 << 20) as stream:
+            yield stream
+
+
+def _fs_reader_with(store, metadata):
+    """torch's FileSystemReader over a Storage, with the .metadata already read by dcpmeta: its own
+    read_metadata is a plain pickle.load of the file."""
     from torch.distributed.checkpoint import FileSystemReader
 
     class Reader(FileSystemReader):
@@ -281,37 +397,52 @@ def _fs_reader_with(path: str, metadata):
                 metadata.storage_meta.load_id = self.load_id
             return metadata
 
-    return Reader(path)
+    reader = Reader("")
+    reader.fs = _StorageFS(store)
+    reader.path = ""
+    return reader
 
 
 class _DcpReader:
-    """Reads single entries of a DCP checkpoint: tensors through dcp.load, non-tensors unpickled safely."""
+    """Reads single entries of a DCP checkpoint (a directory or an object-store prefix): tensors through
+    dcp.load, non-tensors unpickled safely."""
 
     def __init__(self, path: str, trusted: bool):
-        from .dcpmeta import read_metadata_file
+        from . import layout
+        from .dcpmeta import read_metadata
 
-        if not os.path.isfile(os.path.join(path, ".metadata")):
+        self.store = layout.storage_at(path)
+        self.path, self.trusted = self.store.root, trusted
+        if not self.store.isfile(".metadata"):
             raise CheckpointArgumentError(f"DCP_DIR {path} has no .metadata file: it is not a torch.distributed."
                                           "checkpoint directory (pass the folder dcp.save wrote)")
-        self.path, self.trusted = path, trusted
-        self.metadata = read_metadata_file(os.path.join(path, ".metadata"), trusted)
+        self.metadata = read_metadata(self.store.read_bytes(".metadata"), self._where(".metadata"), trusted)
         self.entries = self.metadata.state_dict_metadata
         # the original key path of each flattened key (DefaultSavePlanner records them); names may hold dots
         mapping = self.metadata.planner_data if isinstance(self.metadata.planner_data, dict) else {}
         self.paths = {k: tuple(mapping.get(k, (k,))) for k in self.entries}
         self._check_files()
 
+    def _where(self, rel: str) -> str:
+        return f"{self.path}/{rel}"
+
     def _check_files(self) -> None:
         """Against our manifest when the directory has one (written by to-dcp)."""
         from .manifest import read as read_manifest
         from .reader import FileReader
 
-        man = read_manifest(self.path)
+        man = read_manifest(self.store)
         if man is None:
             return
-        reader = FileReader.at(self.path, man)
+        reader = FileReader.at(self.store, man)
         for rel in man.files:
             reader.check_file(rel)
+
+    def _read_range(self, rel: str, offset: int, length: int) -> bytes:
+        try:
+            return self.store.read(rel, offset, length)
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+            raise CorruptCheckpointError(f"{self._where(rel)} is missing", path=self._where(rel)) from None
 
     def is_tensor(self, key: str) -> bool:
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -331,7 +462,7 @@ class _DcpReader:
             return whole
         out = {key: torch.empty(tuple(md.size), dtype=md.properties.dtype)}
         with _quiet_dcp():
-            dcp.load(out, storage_reader=_fs_reader_with(self.path, self.metadata), no_dist=True)
+            dcp.load(out, storage_reader=_fs_reader_with(self.store, self.metadata), no_dist=True)
         return out[key]
 
     def _whole_chunk(self, key: str, md) -> Optional[torch.Tensor]:
@@ -344,9 +475,7 @@ class _DcpReader:
         info = self.metadata.storage_data.get(MetadataIndex(key, md.chunks[0].offsets))
         if info is None or getattr(info, "transform_descriptors", None):
             return None
-        with open(os.path.join(self.path, info.relative_path), "rb") as f:
-            f.seek(info.offset)
-            data = f.read(info.length)
+        data = self._read_range(info.relative_path, info.offset, info.length)
         try:
             t = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
         except Exception as exc:  # noqa: BLE001
@@ -360,9 +489,7 @@ class _DcpReader:
         from torch.distributed.checkpoint.metadata import MetadataIndex
 
         info = self.metadata.storage_data[MetadataIndex(key)]
-        with open(os.path.join(self.path, info.relative_path), "rb") as f:
-            f.seek(info.offset)
-            data = f.read(info.length)
+        data = self._read_range(info.relative_path, info.offset, info.length)
         try:
             return torch.load(io.BytesIO(data), weights_only=not self.trusted)
         except Exception as exc:  # noqa: BLE001
@@ -375,7 +502,7 @@ class _DcpReader:
 def read_dcp(path: str, *, rules: Sequence[Tuple[str, int, int]] = (), trusted: bool = False,
              optimizer: bool = True) -> FullState:
     """A DCP checkpoint (plain or torchtitan layout, by nxd-ckpt or by a PyTorch job) as a FullState."""
-    r = _DcpReader(os.path.abspath(path), trusted)
+    r = _DcpReader(path, trusted)
     meta = _read_meta(r)
     kind = meta.get("layout") or ("plain" if any(p[0] == "model" for p in r.paths.values()) else "torchtitan")
     recorded = {k: Partition(int(v[0]), int(v[1])) for k, v in meta.get("partitions", {}).items()}

@@ -13,7 +13,6 @@ Sinks: ``tagwrite.write_tag``, ``dcpio.write_dcp``, ``export`` (Hugging Face saf
 from __future__ import annotations
 
 import fnmatch
-import os
 import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -149,7 +148,6 @@ def read_tag(tagdir, *, partitions: Sequence[str] = (), trusted: bool = False, o
     from .export import _materialise, parse_partition, plan_export
 
     st = open_tag(tagdir)
-    tagdir = st.root
     manifest = read_manifest(st)
     reader = FileReader.at(st, manifest, trusted)
     rules = [parse_partition(p) for p in partitions]
@@ -159,10 +157,10 @@ def read_tag(tagdir, *, partitions: Sequence[str] = (), trusted: bool = False, o
     stage_keys = {pp: list(shards[(0, pp)].flat) for (tp, pp) in shards if tp == 0}
     state = FullState(model, topology=dict(vars(manifest.topology)) if manifest is not None else {}, skipped=skipped)
     if optimizer and st.isdir(layout.OPTIM_DIR):
-        state.optim = _read_optim(reader, tagdir, {t.name: t for t in model}, stage_keys)
+        state.optim = _read_optim(reader, {t.name: t for t in model}, stage_keys)
         _masters_as_model(state)
-    state.scheduler = _small(reader, tagdir, layout.SCHEDULER_FILE)
-    state.user_content = _small(reader, tagdir, layout.USER_CONTENT_FILE)
+    state.scheduler = _small(reader, layout.SCHEDULER_FILE)
+    state.user_content = _small(reader, layout.USER_CONTENT_FILE)
     return state
 
 
@@ -180,7 +178,7 @@ def _recorded_partition(out, rules) -> Optional[Partition]:
     return None
 
 
-def _small(reader: FileReader, tagdir: str, name: str):
+def _small(reader: FileReader, name: str):
     if not reader.exists(name):
         return None
     return reader.plain(name, mmap=False)
@@ -200,9 +198,9 @@ class _OptimFile:
     data: Any          # ref data (xser) or the loaded state (plain)
 
 
-def _read_optim(reader: FileReader, tagdir: str, model: Dict[str, TensorSource],
+def _read_optim(reader: FileReader, model: Dict[str, TensorSource],
                 stage_keys: Dict[int, List[str]]) -> OptimState:
-    folder = f"{reader.storage.root}/{layout.OPTIM_DIR}"
+    folder = reader.where(layout.OPTIM_DIR)
     names = layout.list_shard_files(reader.storage, layout.OPTIM_DIR)
     if not names and reader.storage.isfile(f"{layout.OPTIM_DIR}/{layout.DCP_METADATA_FILE}"):
         raise ConversionError(f"{folder} holds a ZeRO-1 state saved with use_zero1_dcp=True (a DCP checkpoint), which "
@@ -300,6 +298,8 @@ def _local_shape(t: TensorSource, ntp: int) -> tuple:
 
 
 def _leaf(reader: FileReader, f: _OptimFile, path: tuple, mapped: bool = False):
+    """The leaf at ``path`` of an optimizer file: a tensor file read (``mapped``: a local one memory-mapped,
+    for a caller that copies it out at once) or the value itself."""
     obj = f.data
     try:
         for k in path:
@@ -309,43 +309,8 @@ def _leaf(reader: FileReader, f: _OptimFile, path: tuple, mapped: bool = False):
                                      "from one save") from None
     if xser.is_ref(obj):
         rel = layout.tensor_path(f.rel, obj.tid)
-        return _tensor_in_place(reader, rel) if mapped else reader.load_tensor(rel)
+        return reader.load_tensor(rel, mapped=mapped)
     return obj
-
-
-def _tensor_in_place(reader: FileReader, rel: str) -> torch.Tensor:
-    """One tensor file read once into a buffer, checked against the manifest there, and unpickled with the
-    tensor as a view of the buffer: one pass over the bytes and one copy in memory. A file that is not
-    local (an object store) is read by the reader."""
-    where = reader.where(rel)
-    local = reader.storage.local_path(rel)
-    if local is None:
-        return reader.load_tensor(rel)
-    try:
-        size = os.path.getsize(local)
-        buf = torch.empty(size, dtype=torch.uint8)
-        view = memoryview(buf.numpy())
-        with open(local, "rb", buffering=0) as fh:
-            got = 0
-            while got < size:
-                n = fh.readinto(view[got:])
-                if not n:
-                    break
-                got += n
-    except FileNotFoundError:
-        raise CorruptCheckpointError(f"{where} is missing", path=where) from None
-    entry = reader.entry(rel)
-    if entry is not None:
-        entry.check_bytes(view[:got], where)
-    try:
-        t = xser.load_pickle_in_place(buf[:got] if got < size else buf, trusted=reader.trusted, name=where)
-    except xser.UnsafeCheckpointError:
-        raise
-    except Exception as exc:  # noqa: BLE001
-        raise CorruptCheckpointError(f"{where} is not a readable tensor file: {exc}", path=where) from exc
-    if not isinstance(t, torch.Tensor):
-        raise CorruptCheckpointError(f"{where} does not hold a tensor", path=where)
-    return t
 
 
 def _param_state(reader: FileReader, per_tp: List[List[_OptimFile]], i: int, param: TensorSource,

@@ -301,5 +301,5 @@ def test_nxd_ckpt_ls_and_info_read_s3(s3_url, capsys):
 def test_nxd_ckpt_commands_not_on_storage_refuse_s3_with_advice(s3_url, capsys):
     from nxd_ckpt.cli import main
 
-    assert main(["to-dcp", f"{s3_url}/a", f"{s3_url}/dcp"]) == 1
+    assert main(["import", f"{s3_url}/hf", f"{s3_url}/t"]) == 1
     assert "Copy it to local disk first" in capsys.readouterr().err

@@ -21,7 +21,7 @@ _S3_BUCKETS: dict = {}
 def check_location(path, *, offline_tool: bool = False) -> str:
     """``path`` as a string, or CheckpointArgumentError when it is a URL whose scheme no backend here serves,
     or (``offline_tool``) an ``s3://`` URL given to an `nxd-ckpt` argument that takes POSIX paths only
-    (import's HF_DIR, to-dcp's OUT_DIR, from-dcp's DCP_DIR).
+    (import's HF_DIR).
     Every entry point and tool calls this first."""
     text = os.fspath(path) if not isinstance(path, str) and hasattr(path, "__fspath__") else path
     if isinstance(text, bytes):
@@ -32,8 +32,8 @@ def check_location(path, *, offline_tool: bool = False) -> str:
 
         if scheme == "s3" and offline_tool:
             raise CheckpointArgumentError(
-                f"{text!r} is an s3:// URL, which this argument does not take: Hugging Face and DCP directories are "
-                f"read and written on POSIX paths only (the checkpoint tags of every nxd-ckpt command may be on "
+                f"{text!r} is an s3:// URL, which this argument does not take: Hugging Face directories are "
+                f"read on POSIX paths only (the checkpoints and DCP directories of every nxd-ckpt command may be on "
                 f"S3). Copy it to local disk first (aws s3 sync {text} ./local_copy) and pass that path.")
         if scheme != "s3" and scheme not in _ENABLED_TEST_SCHEMES:
             raise CheckpointArgumentError(
