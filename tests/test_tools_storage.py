@@ -313,3 +313,18 @@ def test_import_and_reshard_on_s3(s3_url, tmp_path, capsys):
     assert _run("reshard", f"{s3_url}/a", f"{s3_url}/r2", "--tp", "1") == 1
     assert f"{s3_url}/a/{rel} fails its checksum" in capsys.readouterr().err
     assert open_storage(s3_url).listdir("") == ["a", "imported", "r"]
+
+
+def test_list_checkpoints_on_s3_is_one_list(s3_url, tmp_path):
+    """has_checkpoint / list_checkpoints / newest_checkpoint on S3: one LIST, no HEAD or GET per tag."""
+    import nxd_ckpt
+
+    root = str(tmp_path / "local")
+    zero1_tag(root, "a", dp=2)
+    zero1_tag(root, "b", dp=2)
+    upload(root, s3_url)
+    open_storage(f"{s3_url}/c").write_bytes(layout.CHECKPOINT_MARKER, b"1")   # an interrupted save
+    requests = _requests(s3_url)
+    requests.clear()
+    assert nxd_ckpt.list_checkpoints(s3_url) == ["b", "a"]
+    assert requests == {"list_objects_v2": 1}, requests
