@@ -310,7 +310,8 @@ def _read_parts(reader: FileReader, saved: dict, world: World, want_model: bool,
             from_masters = part == "model" and saved.get("from_masters")
             out[part] = read_shard(reader, rel, groups[name], world.rank, pool, cooperative, xser_shard,
                                    home_replicas=homes[home(name, False)], home_of=home,
-                                   skip=_master_tids(reader, rel) if from_masters else ())
+                                   skip=_master_tids(reader, rel) if from_masters else (),
+                                   live=_live_state(targets[part == "optim"]), workers=max(1, num_workers))
             out[f"{part}_groups"] = list(groups.values()) + list(homes.values())
             if from_masters:
                 out["masters"] = _read_masters(reader, saved, world, groups[name] if cooperative else [world.rank])
@@ -322,6 +323,17 @@ def _read_parts(reader: FileReader, saved: dict, world: World, want_model: bool,
     if reader.exists(layout.USER_CONTENT_FILE):
         out["user_content"] = reader.load_pickle(layout.USER_CONTENT_FILE)
     return out
+
+
+def _live_state(target):
+    """The state a loaded shard will replace (a dict target as it is, a module's or a torch optimizer's
+    state_dict), for the read pipeline to move tensors to their devices as they are read; None for other
+    targets (their own load_state_dict places them)."""
+    if isinstance(target, dict):
+        return target
+    if isinstance(target, (torch.nn.Module, torch.optim.Optimizer)):
+        return target.state_dict()
+    return None
 
 
 def _read_dcp(reader: FileReader, world: World, model, optimizer) -> dict:

@@ -10,11 +10,12 @@ the other replicas over a host-side gloo group.
 from __future__ import annotations
 
 import io
+import itertools
 import logging
 import os
 import warnings
 import zlib
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -316,7 +317,7 @@ ALL = object()
 
 def read_shard(reader: FileReader, relpath: str, replicas: List[int], rank: int, pool: ThreadPoolExecutor,
                cooperative: bool, xser_shard: bool = True, home_replicas: Optional[List[int]] = None,
-               skip=(), home_of=layout.tensor_home) -> ShardRead:
+               skip=(), home_of=layout.tensor_home, live=None, workers: int = 8) -> ShardRead:
     """Read the ref (and info) of a shard and this rank's share of its tensors (all of them when the
     replicas cannot cooperate: no info file, or no process group). A plain shard is read by one replica
     only (chosen by the file's name, so model and optimizer shards go to different replicas).
@@ -324,7 +325,10 @@ def read_shard(reader: FileReader, relpath: str, replicas: List[int], rank: int,
     ``home_replicas``: the ranks whose shards keep their non-expert tensors in the same folder as this one
     (``home_of``: ``layout.tensor_home``, all EP ranks of an expert-parallel shard; ``layout.own_home`` for the
     legacy EP layout), who share reading them. The ``skip`` tids (``ALL``: every one) have no tensor file:
-    they are listed in ``absent``, for the caller to fill (avoid_saving_lower_precision_weights)."""
+    they are listed in ``absent``, for the caller to fill (avoid_saving_lower_precision_weights).
+
+    ``live``: the state the shard will replace (``targets_by_tid``); the tensors this rank reads alone go to
+    their targets' XLA devices while the reads go on (``read_tensors``, ``workers`` reads in flight)."""
     if cooperative and not xser_shard and len(replicas) > 1:
         owner = replicas[zlib.crc32(relpath.encode()) % len(replicas)]
         shard = ShardRead(relpath, None, [], {}, None, replicas=list(replicas), raw_owner=owner,
@@ -356,9 +360,101 @@ def read_shard(reader: FileReader, relpath: str, replicas: List[int], rank: int,
         group_of = {t: (rank,) for t in tids}
         replicas = [rank]
     mine = [t for t in tids if owner_of[t] == rank]
-    loaded = pool.map(lambda t: reader.load_tensor(layout.tensor_path(home[t], t)), mine)
-    tensors = dict(zip(mine, loaded))
+    alone = {t: dev for t, dev in targets_by_tid(ref_data, live).items() if group_of.get(t) == (rank,)}
+    tensors = read_tensors(reader, {t: layout.tensor_path(home[t], t) for t in mine}, pool, workers, alone)
     return ShardRead(relpath, ref_data, tids, owner_of, info, tensors, list(replicas), group_of, absent=absent)
+
+
+#: The load pipeline's host-to-device batches: large enough that a transfer call costs little per byte, small
+#: enough that the host holds little more than the files being read.
+PLACE_BATCH_BYTES = 64 << 20
+
+
+def read_tensors(reader: FileReader, jobs: Dict[int, str], pool: ThreadPoolExecutor, workers: int,
+                 targets: Optional[Dict[int, torch.device]] = None,
+                 batch_bytes: Optional[int] = None) -> Dict[int, torch.Tensor]:
+    """The load pipeline of one rank: the tensor files ``jobs`` (tid -> path in the tag), largest first, at most
+    ``2 * workers`` in flight on ``pool``, each verified (size, CRC32C) on the bytes as read. A tensor whose tid
+    is in ``targets`` (tid -> XLA device) is handed, once read, to a host-to-device transfer of about
+    ``batch_bytes`` that runs on this thread while the reads go on, and its host copy is dropped: the host holds
+    the files in flight plus one batch, not the shard (``batch_bytes`` None: PLACE_BATCH_BYTES). tid -> tensor
+    (on its device, or on the host).
+
+    The first failure (damage, a missing file) stops further reads and is raised naming the file; nothing has
+    been changed (what was moved are new device buffers, dropped with the error)."""
+    targets = targets or {}
+    batch_bytes = PLACE_BATCH_BYTES if batch_bytes is None else batch_bytes
+    entries = reader.manifest.files if reader.manifest is not None else {}
+    order = sorted(jobs, key=lambda t: -(entries[jobs[t]].size if jobs[t] in entries else 0))
+    out: Dict[int, torch.Tensor] = {}
+    batch: List[Tuple[int, torch.Tensor]] = []
+    held = 0                                     # bytes in ``batch``
+    pending: Dict[Future, int] = {}
+    queue = iter(order)
+
+    def submit() -> None:
+        for tid in itertools.islice(queue, max(0, 2 * max(1, workers) - len(pending))):
+            pending[pool.submit(reader.load_tensor, jobs[tid])] = tid
+
+    try:
+        submit()
+        while pending:
+            done, _ = wait(pending, return_when=FIRST_COMPLETED)
+            for fut in done:
+                tid = pending.pop(fut)
+                tensor = fut.result()
+                if tid in targets:
+                    batch.append((tid, tensor))
+                    held += tensor.nbytes
+                else:
+                    out[tid] = tensor
+            submit()
+            if held >= batch_bytes:
+                out.update(_to_device(batch, targets))
+                batch, held = [], 0
+        out.update(_to_device(batch, targets))
+    except BaseException:
+        for fut in pending:
+            fut.cancel()
+        raise
+    return out
+
+
+def _to_device(batch: List[Tuple[int, torch.Tensor]], targets: Dict[int, torch.device]) -> Dict[int, torch.Tensor]:
+    """One batched host-to-device transfer per device (``xm.send_cpu_data_to_device``) of a pipeline batch."""
+    by_device: Dict[torch.device, List[Tuple[int, torch.Tensor]]] = {}
+    for tid, t in batch:
+        by_device.setdefault(targets[tid], []).append((tid, t))
+    out = {}
+    for device, items in by_device.items():
+        import torch_xla.core.xla_model as xm
+
+        moved = xm.send_cpu_data_to_device([t for _, t in items], device)
+        out.update((tid, m) for (tid, _), m in zip(items, moved))
+    return out
+
+
+def targets_by_tid(ref_data, live) -> Dict[int, torch.device]:
+    """tid -> the XLA device of the tensor that ``live`` (the state dict, or optimizer state dict, a shard will
+    replace; None: unknown) holds at that reference's place in ``ref_data``: where the loaded tensor will go.
+    Tensors whose target is not on an XLA device (or not found) are not listed: they stay on the host."""
+    out: Dict[int, torch.device] = {}
+
+    def walk(ref, cur) -> None:
+        if xser.is_ref(ref):
+            if isinstance(cur, torch.Tensor) and cur.device.type == "xla":
+                out.setdefault(ref.tid, cur.device)
+        elif isinstance(ref, dict) and isinstance(cur, dict):
+            for k, v in ref.items():
+                if k in cur:
+                    walk(v, cur[k])
+        elif isinstance(ref, (list, tuple)) and isinstance(cur, (list, tuple)) and len(ref) == len(cur):
+            for a, b in zip(ref, cur):
+                walk(a, b)
+
+    if live is not None:
+        walk(ref_data, live)
+    return out
 
 
 def _info_nbytes(entry: dict) -> int:

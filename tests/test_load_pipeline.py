@@ -1,0 +1,114 @@
+"""The load pipeline (reader.read_tensors): tensors go to their device in batches while the reads go on, the
+host holds only the files in flight plus one batch, and damage found mid-pipeline raises naming the file with
+nothing applied."""
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+import torch
+
+from tiny_models import assert_bit_equal, to_cpu_state, xla_device
+
+SHARD = "model/dp_rank_00_tp_rank_00_pp_rank_00.pt"
+
+
+def _state(dev):
+    """Tensors of distinct sizes (read largest first), each above no threshold that matters here."""
+    g = torch.Generator().manual_seed(7)
+    return {f"w{i}": torch.randn(64 + 16 * i, 32, generator=g).to(dev) for i in range(10)}
+
+
+def test_damage_found_mid_pipeline_names_the_file_and_applies_nothing(tmp_path, monkeypatch):
+    import nxd_ckpt
+    from nxd_ckpt import reader
+
+    dev = xla_device()
+    root = str(tmp_path / "ckpt")
+    nxd_ckpt.save_checkpoint(root, "a", model=_state(dev), use_xser=True)
+    # w0 is the smallest tensor: read last, after the others went to the device
+    tensors = os.path.join(root, "a", f"{SHARD}.tensors")
+    smallest = min(os.listdir(tensors), key=lambda n: os.path.getsize(os.path.join(tensors, n)))
+    path = os.path.join(tensors, smallest)
+    data = bytearray(open(path, "rb").read())
+    data[-40] ^= 0x01          # inside the tensor's data record, before the zip's directory
+    open(path, "wb").write(bytes(data))
+
+    placed = []
+    original = reader._to_device
+    monkeypatch.setattr(reader, "PLACE_BATCH_BYTES", 1)       # every tensor is its own batch
+    monkeypatch.setattr(reader, "_to_device", lambda batch, targets: (placed.extend(t for t, _ in batch),
+                                                                         original(batch, targets))[1])
+    target = _state(dev)
+    before = {k: v for k, v in target.items()}
+    want = to_cpu_state(target)
+    with pytest.raises(nxd_ckpt.CorruptCheckpointError) as info:
+        nxd_ckpt.load_checkpoint(root, "a", model=target, num_workers=1)
+    rel = f"a/{SHARD}.tensors/{smallest}"
+    assert info.value.path == rel and rel in str(info.value), str(info.value)
+    assert "fails its checksum" in str(info.value)
+    assert len(placed) >= 5, f"the damage should be found after other tensors went to the device: {placed}"
+    assert all(target[k] is before[k] for k in before), "a tensor of the target was replaced"
+    assert_bit_equal(want, to_cpu_state(target))
+
+
+def test_load_moves_tensors_while_reading_and_is_bit_exact(tmp_path, monkeypatch):
+    import nxd_ckpt
+    from nxd_ckpt import reader
+
+    dev = xla_device()
+    root = str(tmp_path / "ckpt")
+    saved = _state(dev)
+    nxd_ckpt.save_checkpoint(root, "a", model=saved, use_xser=True)
+    batches = []
+    original = reader._to_device
+    monkeypatch.setattr(reader, "PLACE_BATCH_BYTES", 100_000)
+    monkeypatch.setattr(reader, "_to_device", lambda batch, targets: (batches.append(len(batch)),
+                                                                         original(batch, targets))[1])
+    target = {k: torch.zeros_like(v) for k, v in saved.items()}
+    nxd_ckpt.load_checkpoint(root, "a", model=target, num_workers=2)
+    assert sum(batches) == len(saved) and len([b for b in batches if b]) > 1, batches
+    assert all(v.device.type == "xla" for v in target.values())
+    assert_bit_equal(to_cpu_state(saved), to_cpu_state(target))
+
+
+class _CountingReader:
+    """A reader whose tensor files are synthetic, counting the host tensors alive (read, not yet moved)."""
+
+    manifest = None
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.alive = 0
+        self.most = 0
+
+    def load_tensor(self, rel):
+        with self.lock:
+            self.alive += 1
+            self.most = max(self.most, self.alive)
+        return torch.full((1000,), float(rel.rsplit("_", 1)[1]))   # 4,000 bytes
+
+
+def test_host_memory_holds_the_files_in_flight_plus_one_batch(monkeypatch):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from nxd_ckpt import reader
+
+    fake = _CountingReader()
+
+    def to_device(batch, targets):
+        with fake.lock:
+            fake.alive -= len(batch)
+        return {tid: t.clone() for tid, t in batch}     # the "device" copy; the host one is dropped
+
+    monkeypatch.setattr(reader, "_to_device", to_device)
+    jobs = {tid: f"model/x.pt.tensors/tensor_{tid}" for tid in range(60)}
+    workers = 2
+    with ThreadPoolExecutor(workers) as pool:
+        out = reader.read_tensors(fake, jobs, pool, workers, targets={t: "dev" for t in jobs}, batch_bytes=3 * 4000)
+    assert sorted(out) == list(range(60))
+    assert all(torch.equal(out[t], torch.full((1000,), float(t))) for t in out)
+    # at most 2 * workers reads in flight, plus a batch of 3 tensors waiting for its transfer
+    assert fake.most <= 2 * workers + 3, fake.most
+    assert fake.alive == 0
