@@ -135,6 +135,80 @@ def test_posix_staging_write_is_in_place_and_synced_in_batch(tmp_path):
     assert (tmp_path / "stage" / "f").read_bytes() == b"x" * 10
 
 
+def _count_syncs(monkeypatch):
+    from nxd_ckpt.storage import local
+
+    calls = {"syncfs": 0, "fdatasync": []}
+    real_syncfs, real_fdatasync = local._syncfs, local._fdatasync
+
+    def syncfs(fd):
+        calls["syncfs"] += 1
+        real_syncfs(fd)
+
+    def fdatasync(path):
+        calls["fdatasync"].append(os.path.basename(path))
+        real_fdatasync(path)
+
+    monkeypatch.setattr(local, "_syncfs", syncfs)
+    monkeypatch.setattr(local, "_fdatasync", fdatasync)
+    return calls
+
+
+def _write_three(s):
+    for name in ("a", "b", "c"):
+        s.write_file(f"stage/sub/{name}", lambda f: f.write(b"x" * 10), durable=False, atomic=False)
+    s.sync_files([f"stage/sub/{n}" for n in ("a", "b", "c")])
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="syncfs is Linux-only")
+def test_posix_batch_is_made_durable_by_one_syncfs_on_a_local_filesystem(tmp_path, monkeypatch):
+    from nxd_ckpt.storage import local
+
+    fd = os.open(tmp_path, os.O_RDONLY)
+    try:
+        if not local._syncfs_usable(fd):
+            pytest.skip("the test directory is not on ext4/xfs/btrfs/tmpfs or the kernel is older than 5.8")
+    finally:
+        os.close(fd)
+    calls = _count_syncs(monkeypatch)
+    s = LocalStorage(str(tmp_path))
+    _write_three(s)
+    assert calls == {"syncfs": 1, "fdatasync": []}
+    _write_three(s)                       # the next batch arms a new anchor
+    assert calls == {"syncfs": 2, "fdatasync": []}
+    assert sorted(os.listdir(tmp_path / "stage" / "sub")) == ["a", "b", "c"]
+
+
+def test_posix_batch_falls_back_to_fdatasync_per_file_elsewhere(tmp_path, monkeypatch):
+    from nxd_ckpt.storage import local
+
+    monkeypatch.setattr(local, "_syncfs_usable", lambda fd: False)       # NFS, Lustre, FUSE, old kernels
+    calls = _count_syncs(monkeypatch)
+    _write_three(LocalStorage(str(tmp_path)))
+    assert calls["syncfs"] == 0 and sorted(calls["fdatasync"]) == ["a", "b", "c"]
+
+
+def test_posix_syncfs_failure_is_raised(tmp_path, monkeypatch):
+    import errno
+
+    from nxd_ckpt.storage import local
+
+    monkeypatch.setattr(local, "_syncfs_usable", lambda fd: True)
+
+    class Libc:
+        def syncfs(self, fd):
+            import ctypes
+
+            ctypes.set_errno(errno.EIO)
+            return -1
+
+    monkeypatch.setattr(local, "_libc", lambda: Libc())
+    s = LocalStorage(str(tmp_path))
+    with pytest.raises(OSError, match="syncfs: Input/output error"):
+        _write_three(s)
+    assert s._anchor.take() == (None, None)       # the anchor was closed and disarmed
+
+
 def test_memory_buckets_are_shared_by_name():
     a = open_storage("mem://shared-bucket/p")
     a.write_bytes("x", b"1")

@@ -90,7 +90,81 @@ def test_path_destination_and_fallback_to_torch_save(tmp_path, monkeypatch):
     container.save(t, str(tmp_path / "a.pt"))
     assert torch.equal(torch.load(tmp_path / "a.pt", weights_only=True), t)
     monkeypatch.setattr(container, "_usable", False)     # a torch without the private writer
+    monkeypatch.setattr(container, "_template_state", [])  # (so the direct writer is not learnt either)
     buf = io.BytesIO()
     xser.write_tensor(t, buf)
     assert any(crc != 0 for _, crc, _, _ in _local_headers(buf.getvalue()))
     assert torch.equal(torch.load(io.BytesIO(buf.getvalue()), weights_only=True), t)
+
+
+def _torch_writer_bytes(t: torch.Tensor) -> bytes:
+    buf = io.BytesIO()
+    container.save(t, buf)                  # torch's own writer (private PyTorchFileWriter, CRC off)
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
+def test_direct_writer_bytes_equal_torch_writer_for_every_dtype_shape_and_stride(dtype):
+    shapes = [(), (1,), (7,), (5, 3), (2, 3, 4), (300, 301), (70000,), (3, 1 << 16)]
+    direct = total = 0
+    for i, shape in enumerate(shapes):
+        t = random_tensor(dtype, shape, seed=i)
+        for v in ([t, t.t(), t.permute(1, 0)] if t.dim() == 2 else [t]):
+            v = xser.compact_cpu(v)
+            mine = io.BytesIO()
+            container.write_tensor(v, mine)
+            assert mine.getvalue() == _torch_writer_bytes(v), (dtype, shape, v.stride())
+            direct += container._template().parts(v) is not None
+            total += 1
+    # the legacy-typed dtypes take the direct path (the test is not vacuous); the newer ones (pickled through
+    # an untyped storage) go to torch's writer
+    legacy = dtype in torch.storage._dtype_to_storage_type_map() and dtype not in torch.storage._new_dtypes()
+    assert direct == (total if legacy else 0)
+
+
+def test_direct_writer_large_tensor_is_written_in_three_parts_and_loads(tmp_path):
+    t = torch.randn(600_000)                                   # 2.4 MB: above the single-write size
+    writes = []
+
+    class Sink(io.BytesIO):
+        def write(self, data):
+            writes.append(len(data))
+            return super().write(data)
+
+    out = Sink()
+    container.write_tensor(t, out)
+    assert len(writes) == 3 and writes[1] == t.numel() * 4
+    assert out.getvalue() == _torch_writer_bytes(t)
+    path = tmp_path / "t.pt"
+    path.write_bytes(out.getvalue())
+    assert_bit_equal(t, torch.load(path, weights_only=True, mmap=True), "mmap")
+    small = Sink()
+    writes.clear()
+    container.write_tensor(torch.ones(10), small)
+    assert len(writes) == 1
+
+
+def test_direct_writer_leaves_unusual_tensors_to_torch(monkeypatch):
+    monkeypatch.setattr(container, "FAST_MAX_BYTES", 1000)
+    big = torch.randn(1000)                                     # 4000 bytes: over the (patched) limit
+    assert container._template().parts(big) is None
+    assert container._template().parts(torch.zeros(0)) is None  # no bytes: torch writes no data record id
+    assert container._template().parts(torch.randn(10)[2:]) is None       # a view into a larger storage
+    param = torch.nn.Parameter(torch.randn(3))
+    assert container._template().parts(param) is None                     # a subclass
+    for t in (big, torch.zeros(0), param.detach()):
+        mine = io.BytesIO()
+        container.write_tensor(t, mine)
+        assert mine.getvalue() == _torch_writer_bytes(t)
+
+
+def test_direct_writer_is_not_used_when_its_self_check_fails(monkeypatch):
+    real = container._Template.parts
+    monkeypatch.setattr(container._Template, "parts",
+                        lambda self, t: (lambda p: p and (p[0] + b"!", p[1], p[2]))(real(self, t)))
+    monkeypatch.setattr(container, "_template_state", [])
+    assert container._template() is None                        # relearnt, failed the byte check
+    t = torch.randn(5)
+    mine = io.BytesIO()
+    container.write_tensor(t, mine)
+    assert mine.getvalue() == _torch_writer_bytes(t)

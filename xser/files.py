@@ -66,8 +66,14 @@ def compact_cpu(t: torch.Tensor) -> torch.Tensor:
 
 def write_tensor(t: torch.Tensor, fileobj) -> None:
     """``torch.save``'s format of ``t`` compacted to CPU, into a path or any writable file object; the zip
-    CRC-32 fields are left at 0 (``container.save``: nobody checks them and they cost most of the CPU)."""
-    container.save(compact_cpu(t), writable(fileobj))
+    CRC-32 fields are left at 0 (nobody checks them and they cost most of the CPU), and plain tensors are
+    written in one piece (``container.write_tensor``)."""
+    dest = writable(fileobj)
+    if isinstance(dest, (str, bytes, os.PathLike)):
+        with open(dest, "wb") as f:
+            container.write_tensor(compact_cpu(t), f)
+        return
+    container.write_tensor(compact_cpu(t), dest)
 
 
 def tensor_to_bytes(t: torch.Tensor) -> bytes:
