@@ -134,26 +134,25 @@ def _print_json(obj) -> None:
     print(json.dumps(obj, indent=2, default=str))
 
 
+def _emit(args, doc, render) -> int:
+    """Print ``doc`` as JSON (``--json``) or as ``render(doc)``; exit code 0."""
+    if getattr(args, "json", False):
+        _print_json(doc)
+    else:
+        print(render(doc))
+    return 0
+
+
 def _cmd_ls(args) -> int:
     from .inspect import format_list, list_tags
 
-    rows = list_tags(args.dir)
-    if args.json:
-        _print_json(rows)
-    else:
-        print(format_list(rows))
-    return 0
+    return _emit(args, list_tags(args.dir), format_list)
 
 
 def _cmd_info(args) -> int:
     from .inspect import describe, format_describe
 
-    d = describe(args.tag, tensors=args.tensors, trusted=args.trusted)
-    if args.json:
-        _print_json(d)
-    else:
-        print(format_describe(d))
-    return 0
+    return _emit(args, describe(args.tag, tensors=args.tensors, trusted=args.trusted), format_describe)
 
 
 def _cmd_verify(args) -> int:
