@@ -149,16 +149,6 @@ def output_tree(dst: Where) -> Iterator[Storage]:
 
 
 @contextlib.contextmanager
-def staged_output(dst: str) -> Iterator[str]:
-    """``output_tree`` for writers that still take a local directory: yields its path (POSIX ``dst`` only)."""
-    with output_tree(dst) as out:
-        path = out.local_path("")
-        if path is None:
-            raise CheckpointArgumentError(f"{dst} is not a POSIX path; this command writes to local paths only")
-        yield path
-
-
-@contextlib.contextmanager
 def progress_bar(total: int, desc: str, progress: Optional[bool]) -> Iterator[Optional[Any]]:
     """Yield a tqdm byte bar of ``total`` bytes, or None when not shown; closed on exit.
 

@@ -332,8 +332,8 @@ def test_damaged_input_is_refused_and_nothing_published(tmp_path, capsys):
     assert not os.path.exists(tmp_path / "r") and not os.path.exists(str(tmp_path / "r") + ".nxdtmp")
 
 
-def test_staged_output_publishes_on_success_and_keeps_the_old_tree_on_failure(tmp_path):
-    from nxd_ckpt.outdir import staged_output
+def test_output_tree_publishes_on_success_and_keeps_the_old_tree_on_failure(tmp_path):
+    from nxd_ckpt.outdir import output_tree
 
     dst = tmp_path / "out"
     dst.mkdir()
@@ -341,13 +341,13 @@ def test_staged_output_publishes_on_success_and_keeps_the_old_tree_on_failure(tm
     (tmp_path / "out.nxdtmp").mkdir()   # a leftover staging directory of an interrupted run is replaced
     (tmp_path / "out.nxdtmp" / "stale").write_text("x")
     with pytest.raises(KeyboardInterrupt):
-        with staged_output(str(dst)) as stage:
+        with output_tree(str(dst)) as out:
+            stage = out.local_path("")
             assert stage == str(tmp_path / "out.nxdtmp") and os.listdir(stage) == []
             (tmp_path / "out.nxdtmp" / "new.txt").write_text("new")
             raise KeyboardInterrupt
     assert sorted(os.listdir(tmp_path)) == ["out"] and os.listdir(dst) == ["old.txt"]
-    with staged_output(str(dst)) as stage:
-        with open(os.path.join(stage, "new.txt"), "w") as f:
-            f.write("new")
+    with output_tree(str(dst)) as out:
+        out.write_bytes("new.txt", b"new")
         assert os.listdir(dst) == ["old.txt"]   # published only when the block ends
     assert sorted(os.listdir(tmp_path)) == ["out"] and os.listdir(dst) == ["new.txt"]
