@@ -21,9 +21,11 @@ the one recorded in the manifest or ``.info.pt``, else the caller's parameter's 
 (``tensor_model_parallel`` / ``partition_dim`` / ``partition_stride``); likewise whether it is an expert tensor
 (``expert_model_parallel``; NxD marks none at EP=1, so there the caller's model decides).
 
-Only files this rank needs are read (a ref pickle is small; tensor files are read one at a time), so peak host
-memory is about this rank's new shard plus the source tensors of one parameter. Nothing is changed here: the
-result has the shape of loader._read_parts' and is checked and applied by the caller.
+Only what this rank needs is read: ref pickles (small), the tensor files of an xser shard one at a time, and of a
+plain (non-xser) shard the byte ranges of the tensors it needs (xser.open_lazy, after one streaming check of the
+file against the manifest). Peak host memory is this rank's new shard plus the source tensors in flight (bounded
+by ``inflight_bytes``). Nothing is changed here: the result has the shape of loader._read_parts' and is checked and
+applied by the caller.
 """
 from __future__ import annotations
 

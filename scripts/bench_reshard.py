@@ -2,12 +2,14 @@
 """Benchmark load-time resharding against a same-topology load of the same checkpoint.
 
 A transformer-like model (per layer: qkv and up column-parallel, o and down row-parallel, a replicated norm; a
-replicated embedding) is saved once at TP=2 on 2 ranks (xser, with our manifest). Then, alternating, ``--repeat``
+replicated embedding) is saved once at TP=2 on 2 ranks (``--format xser``: one file per tensor; ``plain``: one
+``torch.save`` file per shard, NxD's default; with our manifest). Then, alternating, ``--repeat``
 times each (page cache dropped before every load):
 
 - ``same``: 2 ranks at TP=2 load it (no resharding);
 - ``reshard``: 2 ranks at TP=1 x PP=2 load it: each rank joins both TP shards of its stage's tensors, so it
-  reads as many bytes as a ``same`` rank does and only the resharding differs.
+  reads as many bytes as a ``same`` rank does and only the resharding differs (of a plain shard it needs half:
+  its stage's tensors, read by byte ranges after one streaming check of the file).
 
 Each rank loads into a dict of CPU tensors of its new shape (``load_checkpoint(model=dict)``), so the numbers
 are the library's read + reshard + apply, not a device transfer. Reported per case: load time (slowest rank,
@@ -15,6 +17,7 @@ median over rounds) and each rank's RSS peak above its pre-load RSS, next to thi
 largest source tensor it reads (the bound is their sum plus small buffers).
 
     python scripts/bench_reshard.py --hidden 1024 --layers 4 --repeat 3 --out bench_out/reshard.json
+    python scripts/bench_reshard.py --hidden 1024 --layers 4 --repeat 3 --format plain
 """
 from __future__ import annotations
 
@@ -80,7 +83,7 @@ def worker(args) -> None:
         for n, (key, shape, dim) in enumerate(spec):
             full = torch.randn(shape, generator=torch.Generator().manual_seed(n))
             sd[key] = _tagged(split_tp(full, _part(dim), args.tp, tp_rank).clone(), dim)
-        nxd_ckpt.save_checkpoint(args.dir, "s", model=sd, use_xser=True)
+        nxd_ckpt.save_checkpoint(args.dir, "s", model=sd, use_xser=args.format == "xser")
         _shut_down(dist, ps)
         return
     sd = {key: _tagged(torch.zeros(tp_shard_shape(shape, _part(dim), args.tp)), dim)
@@ -134,7 +137,7 @@ def run(args) -> dict:
     from bench import Cache
 
     shutil.rmtree(args.dir, ignore_errors=True)
-    _torchrun(args, 2, ["--worker", "save", "--tp", "2"])
+    _torchrun(args, 2, ["--worker", "save", "--tp", "2", "--format", args.format])
     cache = Cache()
     rounds = {c: [] for c in CASES}
     for _ in range(args.repeat):
@@ -144,7 +147,8 @@ def run(args) -> dict:
             _torchrun(args, 2, ["--worker", "load", "--tp", tp, "--pp", pp, "--src-tp", "2", "--result", result])
             with open(result) as f:
                 rounds[case].append(json.load(f))
-    out = {"hidden": args.hidden, "layers": args.layers, "vocab": args.vocab, "cache": cache.mode, "cases": {}}
+    out = {"hidden": args.hidden, "layers": args.layers, "vocab": args.vocab, "format": args.format,
+           "cache": cache.mode, "cases": {}}
     for case, rs in rounds.items():
         out["cases"][case] = {
             "tp_pp": CASES[case],
@@ -165,6 +169,8 @@ def main(argv=None) -> int:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--vocab", type=int, default=8192)
     p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--format", choices=("xser", "plain"), default="xser",
+                   help="how the checkpoint is saved: xser (use_xser=True) or plain torch.save shards")
     p.add_argument("--out", default=None)
     p.add_argument("--worker", choices=("save", "load"), default=None, help=argparse.SUPPRESS)
     p.add_argument("--tp", type=int, default=2, help=argparse.SUPPRESS)

@@ -1,7 +1,7 @@
 """Load-time resharding over expert parallelism: a tiny MoE layer trained one step at EP=2 x DP=4 (4 ranks, NxD's
 expert-parallel ZeRO-1, and a plain Adam) loads at EP=1, EP=4 and TP=2 x EP=2. Right after loading, every
 parameter, Adam moment and master weight of every rank equals the full state (the same step taken on the whole
-model in one process) split at the new sizes, bit for bit: experts over EP along dim 0 and over TP along their
+model in one process) split at the new sizes, bit for bit (and at EP=2 x PP=2, where only DP and expert-DP change): experts over EP along dim 0 and over TP along their
 partition dim, ZeRO-1 pieces over DP (non-expert parameters) or expert-DP (experts)."""
 from __future__ import annotations
 
@@ -127,7 +127,9 @@ def _check_adam(coords, model, opt, ref, where):
         assert float(opt.state[p]["step"]) == 1.0
 
 
-TARGETS = [(1, 1), (1, 4), (2, 2)]     # (TP, EP) of the loading job, 4 ranks each
+# (TP, EP, PP) of the loading job, 4 ranks each. At PP=2 every stage holds the whole (one-layer) model: TP and EP
+# stay, DP and expert-DP halve, so only the saved ZeRO-1 pieces holding this rank's rows are read.
+TARGETS = [(1, 1, 1), (1, 4, 1), (2, 2, 1), (1, 2, 2)]
 
 
 def _ep_reshard_rank(rank, world, root):
@@ -147,9 +149,10 @@ def _ep_reshard_rank(rank, world, root):
     nxd_ckpt.finalize_checkpoint()
 
     ref = _reference()
-    for tp, ep in TARGETS:
+    for tp, ep, pp in TARGETS:
         ps.destroy_model_parallel()
-        ps.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep)
+        ps.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
+                                     pipeline_model_parallel_size=pp)
         coords = _coords(ps)
         model = _MoE(*coords, seed=5)
         opt = _zero1_opt(ps, model)

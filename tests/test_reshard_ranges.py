@@ -4,21 +4,21 @@ A model and its Adam state saved at TP=2 as plain ``torch.save`` shards (one fil
 each rank of TP=4, through a Storage that counts every byte read. Per rank and shard file: the ranged reads are
 the file's non-tensor bytes (zip directory, headers, pickle) plus only the tensors that overlap the rank's new
 shard, each read once; with a manifest the file is also checked by one streaming pass (bounded: no whole-file
-read); without one (an NxD checkpoint) nothing else is read. The source tensors alive at any moment never exceed
+read); without one (an NxD checkpoint) nothing else is read. On POSIX and on an object store (``objdir://``,
+where each range is a ranged GET). The source tensors alive at any moment never exceed
 the rank's new shard plus the largest source tensor it reads."""
 from __future__ import annotations
 
-import os
-import shutil
 import threading
 import weakref
 
 import pytest
 import torch
+from backends import root_for
 from harness import run_ranks
 
 from nxd_ckpt.partition import Partition, split_tp, tp_overlaps
-from nxd_ckpt.storage import LocalStorage
+from nxd_ckpt.storage import open_storage
 
 SHAPES = {"col": (256, 64), "row": (64, 256), "norm": (64,)}
 PARTS = {"col": Partition(0, 2), "row": Partition(1), "norm": None}
@@ -58,9 +58,9 @@ def _save_tp2(rank, world, root):
     return True
 
 
-@pytest.fixture(scope="module")
-def tp2(tmp_path_factory):
-    root = str(tmp_path_factory.mktemp("ranges") / "ckpt")
+@pytest.fixture(scope="module", params=["posix", "objects"])
+def tp2(request, tmp_path_factory):
+    root = root_for(request.param, tmp_path_factory.mktemp("ranges"))
     run_ranks(_save_tp2, 2, root, timeout=120)
     ref = _Model(1, 0)
     opt = torch.optim.Adam(ref.parameters(), lr=0.1)
@@ -70,22 +70,25 @@ def tp2(tmp_path_factory):
     return root, state
 
 
-class _Counting(LocalStorage):
-    """A LocalStorage that records every read (path, bytes) and every streaming check."""
+class _Counting:
+    """A Storage (any backend) that records every read (path, bytes) and every streaming check."""
 
     def __init__(self, root):
-        super().__init__(root)
+        self._inner = open_storage(root)
         self.reads, self.streamed, self.lock = [], [], threading.Lock()
 
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
     def read(self, relpath, offset=0, length=None):
-        data = super().read(relpath, offset, length)
+        data = self._inner.read(relpath, offset, length)
         with self.lock:
             self.reads.append((relpath, len(data)))
         return data
 
     def crc32c(self, relpath):
         self.streamed.append(relpath)
-        return super().crc32c(relpath)
+        return self._inner.crc32c(relpath)
 
 
 class _Live:
@@ -154,9 +157,11 @@ def test_plain_shards_are_read_by_ranges_with_bounded_memory(tp2, tmp_path, with
     root, full = tp2
     tag = "s"
     if not with_manifest:    # as neuronx-distributed writes it: no manifest to check against
-        root = str(tmp_path / "nxd")
-        shutil.copytree(os.path.join(tp2[0], "s"), os.path.join(root, tag))
-        os.remove(os.path.join(root, tag, "manifest.json"))
+        src, root = open_storage(root), root_for("posix" if "://" not in root else "objects", tmp_path / "nxd")
+        dst = open_storage(root)
+        for rel in src.list(tag):
+            if not rel.endswith("manifest.json"):
+                dst.write_bytes(rel, src.read(rel))
     for rank in range(4):
         out, storage, live, model = _reshard_for(root, tag, rank, with_manifest)
         # values: this rank's TP=4 shard of the full state, bit for bit
@@ -171,7 +176,7 @@ def test_plain_shards_are_read_by_ranges_with_bounded_memory(tp2, tmp_path, with
         for r in (0, 1):
             for folder in ("model", "optim"):
                 rel = f"{folder}/dp_rank_00_tp_rank_{r:02d}_pp_rank_00.pt"
-                size = os.path.getsize(os.path.join(root, tag, rel))
+                size = storage.size(f"{tag}/{rel}")
                 got = sum(n for p, n in storage.reads if p == f"{tag}/{rel}")
                 moments = 2 if folder == "optim" else 1
                 tensors = moments * sum(_nbytes(k) for k in SHAPES)        # every key's saved shard
