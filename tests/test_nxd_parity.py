@@ -146,13 +146,11 @@ def test_every_entry_point_refuses_other_urls_with_one_error(call):
         call()
 
 
-@pytest.mark.parametrize("argv", [
-    ["import", URL + "/hf", "/tmp/never"],
-    ["to-dcp", "/tmp/never_in", URL + "/dcp"], ["from-dcp", URL + "/dcp", "/tmp/never"],
-], ids=["import_hf", "to_dcp_out", "from_dcp_in"])
+@pytest.mark.parametrize("argv", [["import", URL + "/hf", "/tmp/never"]], ids=["import_hf"])
 def test_posix_only_arguments_refuse_s3_with_one_error(argv, capsys):
-    """Checkpoint tags may be on S3 for every command (tests/test_tools_storage.py); Hugging Face and DCP
-    directories not yet: refused before anything, with the way out."""
+    """Checkpoints and DCP directories may be on S3 for every command (tests/test_tools_storage.py,
+    tests/test_dcp_s3.py); a Hugging Face directory to import not yet: refused before anything, with the way
+    out."""
     assert cli_main(argv) == 1
     err = capsys.readouterr().err
     assert "s3:// URL, which this argument does not take" in err
