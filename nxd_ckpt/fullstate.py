@@ -208,7 +208,9 @@ def _read_optim(reader: FileReader, model: Dict[str, TensorSource],
     if not names:
         raise ConversionError(f"{folder} holds no optimizer files; pass --no-optimizer to convert the model only")
     if any(s.ep is not None for s in names):
-        raise ConversionError(f"{folder} holds expert-parallel optimizer files; converting them is not supported")
+        raise ConversionError(f"{folder} holds expert-parallel optimizer files, which the offline tools do not convert "
+                              "yet; load_checkpoint in a job of the new sizes reshards them at load time (or pass "
+                              "--no-optimizer)")
     xser_folder = layout.folder_is_xser(reader.storage, layout.OPTIM_DIR)
     files: Dict[Tuple[int, int, int], _OptimFile] = {}
     for s, n in names.items():
