@@ -37,7 +37,7 @@ import torch
 from . import manifest as manifest_mod
 from .errors import CheckpointArgumentError, CorruptCheckpointError
 from .fullstate import (ConversionError, FullState, OptimState, ParamState, TensorSource, natural_step,
-                        rule_partition)
+                        reused_buffers, rule_partition)
 from .outdir import output_tree, progress_bar
 from .partition import Partition
 
@@ -189,7 +189,7 @@ def _streaming_planner(loaders: Dict[str, TensorSource], bar):
 WRITE_THREADS = 2
 
 
-def _storage_writer(store, checkpoint_id: str):
+def _storage_writer(store, checkpoint_id: str, pool=None):
     """A torch.distributed.checkpoint StorageWriter onto a ``Storage`` (a POSIX directory or an object store
     prefix) for a no-process-group save. It writes what FileSystemWriter(single_file_per_rank=False) writes:
     one ``__0_N.distcp`` per entry (the tensor in torch.save's format, the bytes of a non-tensor entry) and
@@ -197,7 +197,8 @@ def _storage_writer(store, checkpoint_id: str):
     memory: each tensor is dropped once written. Differences, invisible to readers: the zip CRC-32 fields are
     0 (xser.write_tensor: nothing reads them, our CRC32C covers every byte), each file's size and CRC32C are
     taken as it is written (``records``), files are made durable together by the caller, and ``.metadata``
-    is written in place (the caller's ``done`` marker is the commit, not a rename)."""
+    is written in place (the caller's ``done`` marker is the commit, not a rename). Each tensor, once written,
+    goes back to ``pool`` (a fullstate.BufferPool) for the next one."""
     import pickle
     from concurrent.futures import ThreadPoolExecutor
     from torch.distributed.checkpoint import StorageWriter
@@ -233,6 +234,9 @@ def _storage_writer(store, checkpoint_id: str):
             else:
                 produce = lambda f: xser.write_tensor(data, f)  # noqa: E731
             rec = store.write_file(name, produce, durable=False, atomic=False)
+            del produce
+            if isinstance(data, torch.Tensor) and pool is not None:
+                pool.give_back(data)
             self.records[name] = rec
             return WriteResult(index=item.index, size_in_bytes=rec.size,
                                storage_data=_StorageInfo(name, 0, rec.size))
@@ -300,9 +304,9 @@ def write_dcp(state: FullState, dst: str, layout_kind: str = "plain", *, progres
     sd, loaders = build_state_dict(state, layout_kind)
     with progress_bar(sum(s.nbytes for s in loaders.values()), "to-dcp", progress) as bar, \
             output_tree(dst) as store:
-        writer = _storage_writer(store, dst)
         try:
-            with _quiet_dcp():
+            with _quiet_dcp(), reused_buffers(WRITE_THREADS) as pool:
+                writer = _storage_writer(store, dst, pool)
                 dcp.save(sd, storage_writer=writer, planner=_streaming_planner(loaders, bar), no_dist=True)
         except CheckpointException as exc:
             raise _first_cause(exc) from None

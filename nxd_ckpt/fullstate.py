@@ -12,10 +12,13 @@ Sinks: ``tagwrite.write_tag``, ``dcpio.write_dcp``, ``export`` (Hugging Face saf
 """
 from __future__ import annotations
 
+import contextlib
 import fnmatch
+import math
 import re
+import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -334,6 +337,60 @@ def _param_state(reader: FileReader, per_tp: List[List[_OptimFile]], i: int, par
     return ps
 
 
+class BufferPool:
+    """Full-tensor buffers a sink hands back once it has written them (``give_back``), reused by the next
+    joined tensor of the same byte size (``new_full``): a fresh buffer costs a page fault per 4 KiB page on
+    first touch, most of the time of the copy into it. At most ``cap`` buffers wait in the pool; only
+    buffers the pool made are taken back (it holds each until it drops it, so no other tensor can be given
+    the same address meanwhile). Thread-safe."""
+
+    def __init__(self, cap: int):
+        self.cap = cap
+        self._free: List[torch.Tensor] = []
+        self._made: Dict[int, torch.Tensor] = {}
+        self._lock = threading.Lock()
+
+    def empty(self, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+        nbytes = torch.empty((), dtype=dtype).element_size() * math.prod(shape)
+        with self._lock:
+            i = next((i for i, b in enumerate(self._free) if b.numel() == nbytes), None)
+            buf = self._free.pop(i) if i is not None else None
+        if buf is None:
+            buf = torch.empty(nbytes, dtype=torch.uint8)
+            with self._lock:
+                self._made[buf.data_ptr()] = buf
+        return buf.view(dtype).view(shape)
+
+    def give_back(self, t: torch.Tensor) -> None:
+        """``t`` is no longer used by anyone (the caller dropped every other reference)."""
+        with self._lock:
+            buf = self._made.get(t.data_ptr())
+            if buf is None or t.storage_offset() or not t.is_contiguous() or t.untyped_storage().nbytes() != buf.numel():
+                return
+            self._free.append(buf)
+            while len(self._free) > self.cap:
+                self._made.pop(self._free.pop(0).data_ptr(), None)
+
+
+_POOL: Optional[BufferPool] = None
+
+
+@contextlib.contextmanager
+def reused_buffers(cap: int) -> Iterator[BufferPool]:
+    """Within the block, joined tensors come from one BufferPool (single process; one block at a time)."""
+    global _POOL
+    _POOL = BufferPool(cap)
+    try:
+        yield _POOL
+    finally:
+        _POOL = None
+
+
+def new_full(shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+    pool = _POOL
+    return pool.empty(shape, dtype) if pool is not None else torch.empty(shape, dtype=dtype)
+
+
 def _joined(reader: FileReader, per_tp: List[List[_OptimFile]], path: tuple, param: TensorSource, zero1: bool,
             label: str) -> TensorSource:
     """A state tensor of one parameter: ZeRO-1 pieces joined over DP per TP rank, then TP shards joined.
@@ -342,7 +399,7 @@ def _joined(reader: FileReader, per_tp: List[List[_OptimFile]], path: tuple, par
     dtype = _leaf_meta(reader, per_tp[0][0], path)
 
     def load():
-        full = torch.empty(tuple(param.shape), dtype=dtype)
+        full = new_full(tuple(param.shape), dtype)
         for r, files in enumerate(per_tp):
             blocks = tp_block_views(full, param.partition, len(per_tp), r, label)
             if not blocks:      # replicated: TP rank 0's copy is the tensor

@@ -351,3 +351,25 @@ def test_output_tree_publishes_on_success_and_keeps_the_old_tree_on_failure(tmp_
         out.write_bytes("new.txt", b"new")
         assert os.listdir(dst) == ["old.txt"]   # published only when the block ends
     assert sorted(os.listdir(tmp_path)) == ["out"] and os.listdir(dst) == ["new.txt"]
+
+
+def test_buffer_pool_reuses_only_its_own_buffers_up_to_its_cap():
+    """to-dcp's joined tensors reuse the buffers the writer gave back (same byte size, any dtype/shape); a
+    tensor the pool did not make, or a view, is never taken; at most ``cap`` buffers wait."""
+    from nxd_ckpt.fullstate import BufferPool
+
+    pool = BufferPool(cap=1)
+    a = pool.empty((4, 8), torch.float32)
+    ptr = a.data_ptr()
+    pool.give_back(a)
+    b = pool.empty((8, 4), torch.int32)          # same 128 bytes: the same memory
+    assert b.data_ptr() == ptr and b.shape == (8, 4) and b.dtype == torch.int32
+    c = pool.empty((4, 8), torch.float32)        # nothing free: new memory
+    assert c.data_ptr() != ptr
+    pool.give_back(torch.zeros(4, 8))             # not the pool's
+    pool.give_back(c[1:])                         # a view
+    assert pool.empty((4, 8), torch.float32).data_ptr() not in (ptr, c.data_ptr())
+    pool.give_back(b)
+    pool.give_back(c)                             # over the cap: b's buffer is dropped
+    assert pool.empty((4, 8), torch.float32).data_ptr() == c.data_ptr()
+    assert pool.empty((4, 8), torch.float32).data_ptr() not in (ptr, c.data_ptr())
