@@ -16,6 +16,7 @@ import pytest
 import torch
 from backends import root_for
 from harness import run_ranks
+from s3_fixtures import moto_endpoint, s3_url  # noqa: F401 - fixtures
 
 from nxd_ckpt.partition import Partition, split_tp, tp_overlaps
 from nxd_ckpt.storage import open_storage
@@ -152,45 +153,61 @@ def _nbytes(k):
     return torch.empty(SHAPES[k]).nbytes // (2 if PARTS[k] is not None else 1)   # one saved TP=2 shard
 
 
+def _copy(src_root: str, dst_root: str, tag: str, skip=()) -> None:
+    src, dst = open_storage(src_root), open_storage(dst_root)
+    for rel in src.list(tag):
+        if rel.rsplit("/", 1)[-1] not in skip:
+            dst.write_bytes(rel, src.read(rel))
+
+
 @pytest.mark.parametrize("with_manifest", [True, False], ids=["ours", "no_manifest"])
 def test_plain_shards_are_read_by_ranges_with_bounded_memory(tp2, tmp_path, with_manifest):
     root, full = tp2
-    tag = "s"
     if not with_manifest:    # as neuronx-distributed writes it: no manifest to check against
-        src, root = open_storage(root), root_for("posix" if "://" not in root else "objects", tmp_path / "nxd")
-        dst = open_storage(root)
-        for rel in src.list(tag):
-            if not rel.endswith("manifest.json"):
-                dst.write_bytes(rel, src.read(rel))
+        nxd = root_for("posix" if "://" not in root else "objects", tmp_path / "nxd")
+        _copy(root, nxd, "s", skip=("manifest.json",))
+        root = nxd
     for rank in range(4):
-        out, storage, live, model = _reshard_for(root, tag, rank, with_manifest)
-        # values: this rank's TP=4 shard of the full state, bit for bit
-        for k, p in model.named_parameters():
-            want = {f: split_tp(full[k][f], PARTS[k], 4, rank) for f in ("param", "exp_avg", "exp_avg_sq")}
-            assert torch.equal(out["model"][k], want["param"]), (rank, k)
-            i = list(SHAPES).index(k)
-            for f in ("exp_avg", "exp_avg_sq"):
-                assert torch.equal(out["optim"]["state"][i][f], want[f]), (rank, k, f)
-        needed = _needed(rank)
-        new_shard = sum(3 * t.nbytes for t in model.parameters())           # parameter + two moments
-        for r in (0, 1):
-            for folder in ("model", "optim"):
-                rel = f"{folder}/dp_rank_00_tp_rank_{r:02d}_pp_rank_00.pt"
-                size = storage.size(f"{tag}/{rel}")
-                got = sum(n for p, n in storage.reads if p == f"{tag}/{rel}")
-                moments = 2 if folder == "optim" else 1
-                tensors = moments * sum(_nbytes(k) for k in SHAPES)        # every key's saved shard
-                want = moments * sum(_nbytes(k) for k in needed[r])
-                if not needed[r]:
-                    assert got == 0, f"rank {rank} read {rel}, which holds nothing it needs"
-                    continue
-                overhead = size - tensors          # zip directory, headers, pickle (and the steps)
-                assert want <= got <= want + overhead, (rank, rel, got, want, overhead, size)
-                assert got < size or want == tensors, (rank, rel, got, size)
-        if with_manifest:     # each file it opened checked once against the manifest, by a streaming pass
-            assert sorted(storage.streamed) == sorted(set(p for p, _ in storage.reads))
-        else:
-            assert storage.streamed == []
-        largest = max(_nbytes(k) for k in SHAPES)
-        assert live.largest <= largest
-        assert live.peak <= new_shard + largest, (rank, live.peak, new_shard, largest)
+        _check_rank(root, "s", rank, with_manifest, full)
+
+
+@pytest.mark.parametrize("tp2", ["posix"], indirect=True)     # copied from the POSIX save
+def test_plain_shards_on_s3_are_read_by_ranged_gets(tp2, s3_url):
+    """The same through the S3 backend (moto): the zip directory, pickle and tensors come by ranged GETs."""
+    root, full = tp2
+    _copy(root, s3_url, "s")
+    _check_rank(s3_url, "s", 1, True, full)
+
+
+def _check_rank(root: str, tag: str, rank: int, with_manifest: bool, full) -> None:
+    out, storage, live, model = _reshard_for(root, tag, rank, with_manifest)
+    # values: this rank's TP=4 shard of the full state, bit for bit
+    for k, p in model.named_parameters():
+        want = {f: split_tp(full[k][f], PARTS[k], 4, rank) for f in ("param", "exp_avg", "exp_avg_sq")}
+        assert torch.equal(out["model"][k], want["param"]), (rank, k)
+        i = list(SHAPES).index(k)
+        for f in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(out["optim"]["state"][i][f], want[f]), (rank, k, f)
+    needed = _needed(rank)
+    for r in (0, 1):
+        for folder in ("model", "optim"):
+            rel = f"{folder}/dp_rank_00_tp_rank_{r:02d}_pp_rank_00.pt"
+            size = storage.size(f"{tag}/{rel}")
+            got = sum(n for p, n in storage.reads if p == f"{tag}/{rel}")
+            moments = 2 if folder == "optim" else 1
+            tensors = moments * sum(_nbytes(k) for k in SHAPES)        # every key's saved shard
+            want = moments * sum(_nbytes(k) for k in needed[r])
+            if not needed[r]:
+                assert got == 0, f"rank {rank} read {rel}, which holds nothing it needs"
+                continue
+            overhead = size - tensors          # zip directory, headers, pickle (and the steps)
+            assert want <= got <= want + overhead, (rank, rel, got, want, overhead, size)
+            assert got < size or want == tensors, (rank, rel, got, size)
+    if with_manifest:     # each file it opened checked once against the manifest, by a streaming pass
+        assert sorted(storage.streamed) == sorted(set(p for p, _ in storage.reads))
+    else:
+        assert storage.streamed == []
+    new_shard = sum(3 * t.nbytes for t in model.parameters())           # parameter + two moments
+    largest = max(_nbytes(k) for k in SHAPES)
+    assert live.largest <= largest
+    assert live.peak <= new_shard + largest, (rank, live.peak, new_shard, largest)
