@@ -56,7 +56,7 @@ class _MoE(torch.nn.Module):
 
 def _reference():
     """The same step on the whole model in one process: (params, {key: (exp_avg, exp_avg_sq)}) for ZeRO-1
-    Adam and for torch's Adam."""
+    Adam and for torch's Adam, and (key "next") the parameters after a second step of each."""
     from nxd_ckpt.testing import ZeroOneAdam
 
     out = {}
@@ -66,12 +66,24 @@ def _reference():
         m.step(opt, 1, 0, 1, 0)
         params = {k: p.detach().clone() for k, p in m.named_parameters()}
         if kind == "zero1":
-            moments = {k: (opt.base_state[i]["exp_avg"], opt.base_state[i]["exp_avg_sq"])
+            moments = {k: (opt.base_state[i]["exp_avg"].clone(), opt.base_state[i]["exp_avg_sq"].clone())
                        for i, k in enumerate(params)}
         else:
-            moments = {k: (opt.state[p]["exp_avg"], opt.state[p]["exp_avg_sq"]) for k, p in m.named_parameters()}
+            moments = {k: (opt.state[p]["exp_avg"].clone(), opt.state[p]["exp_avg_sq"].clone())
+                       for k, p in m.named_parameters()}
         out[kind] = (params, moments)
+        m.step(opt, 1, 0, 1, 0)
+        out[f"{kind} next"] = {k: p.detach().clone() for k, p in m.named_parameters()}
     return out
+
+
+def _check_next_step(coords, model, opt, want, where):
+    """One more step after the load lands where the whole model's second step does (Adam is elementwise and the
+    gradient averages over replicas are exact), bit for bit."""
+    model.step(opt, *coords)
+    ep, e, tp, t = coords
+    for k, p in model.named_parameters():
+        _bits(p.data, _local(want[k], k, ep, e, tp, t), f"{where} {k} after the next step")
 
 
 def _zero1_opt(ps, model):
@@ -158,10 +170,12 @@ def _ep_reshard_rank(rank, world, root):
         opt = _zero1_opt(ps, model)
         nxd_ckpt.load_checkpoint(root, "zero1", model=model, optimizer=opt)
         _check_zero1(ps, model, opt, ref["zero1"], f"zero1 TP={tp} EP={ep} rank {rank}")
+        _check_next_step(coords, model, opt, ref["zero1 next"], f"zero1 TP={tp} EP={ep} rank {rank}")
         model = _MoE(*coords, seed=5)
         adam = torch.optim.Adam(model.parameters(), lr=LR)
         nxd_ckpt.load_checkpoint(root, "adam", model=model, optimizer=adam)
         _check_adam(coords, model, adam, ref["adam"], f"adam TP={tp} EP={ep} rank {rank}")
+        _check_next_step(coords, model, adam, ref["adam next"], f"adam TP={tp} EP={ep} rank {rank}")
     return True
 
 
