@@ -179,6 +179,23 @@ def test_posix_batch_is_made_durable_by_one_syncfs_on_a_local_filesystem(tmp_pat
     assert sorted(os.listdir(tmp_path / "stage" / "sub")) == ["a", "b", "c"]
 
 
+def test_posix_sync_anchor_is_closed_when_nobody_takes_it(tmp_path):
+    import gc
+
+    s = LocalStorage(str(tmp_path))
+    s.write_file("stage/a", lambda f: f.write(b"x"), durable=False, atomic=False)
+    fd = s._anchor._fd
+    if fd is None:
+        pytest.skip("no syncfs anchor on this filesystem")
+    assert os.readlink(f"/proc/self/fd/{fd}") == str(tmp_path / "stage")
+    del s
+    gc.collect()
+    try:                                   # closed (or the number reused by something else meanwhile)
+        assert os.readlink(f"/proc/self/fd/{fd}") != str(tmp_path / "stage")
+    except FileNotFoundError:
+        pass
+
+
 def test_posix_batch_falls_back_to_fdatasync_per_file_elsewhere(tmp_path, monkeypatch):
     from nxd_ckpt.storage import local
 
