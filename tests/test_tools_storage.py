@@ -15,18 +15,16 @@ import torch
 from nxd_ckpt import layout
 from nxd_ckpt.cli import main
 from nxd_ckpt.storage import LocalStorage, open_storage
-from nxd_ckpt.storage.testing import disable_test_schemes, enable_test_schemes
+from nxd_ckpt.storage.testing import enable_test_schemes
 from test_cli_fixtures import assert_bit_equal, download, load_shard, upload, zero1_states, zero1_tag
 
 # Files whose bytes name the run (the source path in the manifest; `done` seals the manifest).
 _NAMED = {layout.MANIFEST_FILE, layout.DONE_MARKER}
 
 
-@pytest.fixture(autouse=True)
-def _test_schemes():
-    enable_test_schemes()
-    yield
-    disable_test_schemes()
+# mem:// and objdir:// for this module (and the worker processes it forks); left on, as the other modules that
+# enable them at import expect (disabling them here would refuse their URLs in the tests that run after).
+enable_test_schemes()
 
 
 def _base(kind: str, tmp_path) -> str:
