@@ -125,7 +125,7 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
         short, desc = helps[name]
         p = sub.add_parser(name, help=short, description=desc, epilog=convert.EPILOGS[name])
         add(p)
-        p.set_defaults(func=_cmd_convert_state, convert_fn=_run_fn, posix_only=_POSIX_ONLY.get(name, ()))
+        p.set_defaults(func=_cmd_convert_state, convert_fn=_run_fn)
     return parser
 
 
@@ -241,9 +241,6 @@ def _cmd_convert_state(args) -> int:
 
 #: every command's arguments that name a file or directory (each is checked by storage.check_location)
 _PATH_ARGS = ("dir", "tag", "path", "input_dir", "output_dir", "output", "src", "dst", "hf_dir")
-#: the arguments that take POSIX paths only (the reader behind them uses the filesystem): a Hugging Face
-#: directory; every other path argument also takes s3:// URLs
-_POSIX_ONLY = {"import": ("hf_dir",)}
 
 
 # --- entry points ---------------------------------------------------------------------------------------
@@ -265,10 +262,9 @@ def _call(func, args, prog: str) -> int:
     from .storage import check_location
 
     try:
-        posix_only = getattr(args, "posix_only", ())
-        for name in _PATH_ARGS:
+        for name in _PATH_ARGS:   # every one takes a POSIX path or an s3:// URL
             if isinstance(getattr(args, name, None), str):
-                check_location(getattr(args, name), offline_tool=name in posix_only)
+                check_location(getattr(args, name))
         return func(args)
     except (CheckpointError, xser.XserError, OSError, ValueError) as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import fnmatch
 import json
-import os
 import re
+import struct
 import time
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -21,6 +21,7 @@ from .fullstate import (ConversionError, FullState, TensorSource, check_tag_dir,
 from .layout import storage_at
 from .outdir import check_output_dir
 from .partition import layer_index
+from .storage import Storage, open_storage
 from .tagwrite import TagSizes, plan_check, write_tag
 
 
@@ -31,25 +32,43 @@ def _st_dtypes() -> Dict[str, torch.dtype]:
     return {code: dt for dt, code in _ST_DTYPES.items()}
 
 
-def _hf_files(hf_dir: str) -> Dict[str, str]:
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def _hf_files(st: Storage) -> Dict[str, str]:
     """{tensor name: file} of a Hugging Face checkpoint directory (an index, or one model.safetensors)."""
-    index = os.path.join(hf_dir, "model.safetensors.index.json")
-    if os.path.isfile(index):
-        with open(index) as f:
-            weight_map = json.load(f).get("weight_map")
+    if st.isfile(INDEX_FILE):
+        try:
+            weight_map = json.loads(st.read(INDEX_FILE)).get("weight_map")
+        except ValueError as exc:
+            raise ConversionError(f"{st.root}/{INDEX_FILE} is not JSON: {exc}") from None
         if not isinstance(weight_map, dict) or not weight_map:
-            raise ConversionError(f"{index} has no weight_map: it is not a safetensors index")
-        return {k: os.path.join(hf_dir, v) for k, v in weight_map.items()}
-    files = sorted(n for n in os.listdir(hf_dir) if n.endswith(".safetensors"))
+            raise ConversionError(f"{st.root}/{INDEX_FILE} has no weight_map: it is not a safetensors index")
+        return dict(weight_map)
+    files = [n for n in st.listdir("") if n.endswith(".safetensors")]
     if len(files) != 1:
         raise CheckpointArgumentError(
-            f"HF_DIR {hf_dir} has {len(files)} .safetensors files and no model.safetensors.index.json; pass a "
+            f"HF_DIR {st.root} has {len(files)} .safetensors files and no {INDEX_FILE}; pass a "
             "directory written by save_pretrained (one model.safetensors, or shards with their index)")
-    from safetensors import safe_open
+    return {k: files[0] for k in _st_header(st, files[0])[0]}
 
-    path = os.path.join(hf_dir, files[0])
-    with safe_open(path, framework="pt") as f:
-        return {k: path for k in f.keys()}
+
+def _st_header(st: Storage, rel: str) -> Tuple[Dict[str, dict], int]:
+    """({tensor name: {dtype, shape, data_offsets}}, where the data starts) of one safetensors file, from
+    its header alone (two ranged reads)."""
+    where = f"{st.root}/{rel}"
+    try:
+        head = st.read(rel, 0, 8)
+        (n,) = struct.unpack("<Q", head) if len(head) == 8 else (None,)
+        header = json.loads(st.read(rel, 8, n)) if n is not None and n < (100 << 20) else None
+    except FileNotFoundError:
+        raise ConversionError(f"{where} is missing, although the index names it") from None
+    except ValueError:
+        header = None
+    if not isinstance(header, dict):
+        raise ConversionError(f"{where} is not a safetensors file (its header cannot be read)")
+    header.pop("__metadata__", None)
+    return header, 8 + n
 
 
 def _model_order(names: Sequence[str]) -> List[str]:
@@ -65,30 +84,46 @@ def _model_order(names: Sequence[str]) -> List[str]:
 
 
 def read_hf(hf_dir: str, rules: Sequence[Tuple[str, int, int]]) -> FullState:
-    """A Hugging Face safetensors checkpoint as a FullState (model only), partitions from ``rules``."""
-    from safetensors import safe_open
-
-    if not os.path.isdir(hf_dir):
+    """A Hugging Face safetensors checkpoint (a POSIX directory or a URL) as a FullState (model only),
+    partitions from ``rules``. Only the headers are read here; each tensor is read when the sink asks for
+    it: memory-mapped from a local file, else one ranged read of its bytes."""
+    st = open_storage(hf_dir)
+    if not st.isdir(""):
         raise CheckpointArgumentError(f"HF_DIR {hf_dir} is not a directory")
-    where = _hf_files(hf_dir)
+    where = _hf_files(st)
+    headers = {rel: _st_header(st, rel) for rel in sorted(set(where.values()))}
     codes = _st_dtypes()
     model = []
     for name in _model_order(list(where)):
-        path = where[name]
-        with safe_open(path, framework="pt") as f:
-            if name not in f.keys():
-                raise ConversionError(f"{path} lacks {name!r}, which the index places there")
-            sl = f.get_slice(name)
-            shape, code = tuple(sl.get_shape()), sl.get_dtype()
-        if code not in codes:
-            raise ConversionError(f"{path}: {name!r} has safetensors dtype {code}, which torch cannot hold")
-
-        def load(path=path, name=name):
-            with safe_open(path, framework="pt") as f:
-                return f.get_tensor(name)
-
-        model.append(TensorSource(name, shape, codes[code], rule_partition(name, rules), load))
+        rel = where[name]
+        header, base = headers[rel]
+        if name not in header:
+            raise ConversionError(f"{st.root}/{rel} lacks {name!r}, which the index places there")
+        entry = header[name]
+        if entry.get("dtype") not in codes:
+            raise ConversionError(f"{st.root}/{rel}: {name!r} has safetensors dtype {entry.get('dtype')}, which torch "
+                                  "cannot hold")
+        shape, dtype = tuple(int(d) for d in entry["shape"]), codes[entry["dtype"]]
+        model.append(TensorSource(name, shape, dtype, rule_partition(name, rules),
+                                  lambda st=st, rel=rel, name=name, entry=entry, base=base, shape=shape, dtype=dtype:
+                                  _st_tensor(st, rel, name, entry, base, shape, dtype)))
     return FullState(model)
+
+
+def _st_tensor(st: Storage, rel: str, name: str, entry: dict, base: int, shape, dtype) -> torch.Tensor:
+    local = st.local_path(rel)
+    if local is not None:
+        from safetensors import safe_open
+
+        with safe_open(local, framework="pt") as f:
+            return f.get_tensor(name)
+    start, end = (int(o) for o in entry["data_offsets"])
+    data = bytearray(st.read(rel, base + start, end - start))
+    if len(data) != end - start:
+        raise ConversionError(f"{st.root}/{rel} is truncated: {name!r} needs bytes {base + start}-{base + end}")
+    if not data:
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(data, dtype=dtype).reshape(shape)
 
 
 def return_freed_memory() -> None:
@@ -153,7 +188,7 @@ def import_hf(args) -> ConvertSummary:
         raise CheckpointArgumentError("import brings in weights only; --zero1 needs an optimizer state")
     check_rules(state, rules, args.partition, sizes.tp, False, f"HF_DIR {args.hf_dir}")
     plan_check(state, sizes)
-    res = write_tag(state, dst, sizes, converted_from={"path": os.path.abspath(args.hf_dir), "format": "safetensors"})
+    res = write_tag(state, dst, sizes, converted_from={"path": open_storage(args.hf_dir).root, "format": "safetensors"})
     return _finish("import", dst, t0, res)
 
 

@@ -146,19 +146,6 @@ def test_every_entry_point_refuses_other_urls_with_one_error(call):
         call()
 
 
-@pytest.mark.parametrize("argv", [["import", URL + "/hf", "/tmp/never"]], ids=["import_hf"])
-def test_posix_only_arguments_refuse_s3_with_one_error(argv, capsys):
-    """Checkpoints and DCP directories may be on S3 for every command (tests/test_tools_storage.py,
-    tests/test_dcp_s3.py); a Hugging Face directory to import not yet: refused before anything, with the way
-    out."""
-    assert cli_main(argv) == 1
-    err = capsys.readouterr().err
-    assert "s3:// URL, which this argument does not take" in err
-    assert "Copy it to local disk first" in err
-    assert "does not exist" not in err and "not a directory" not in err
-    assert not os.path.exists("/tmp/never")
-
-
 # --- use_zero1_dcp argument rules ----------------------------------------------------------------------------
 def test_use_zero1_dcp_rules(tmp_path):
     from test_cli_fixtures import full_zero1_params, zero1_states

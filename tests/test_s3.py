@@ -296,10 +296,3 @@ def test_nxd_ckpt_ls_and_info_read_s3(s3_url, capsys):
     assert info["path"] == f"{s3_url}/b" and info["status"] == "complete" and not info["errors"]
     assert info["tensor_count"] == sum(len(t) for t in man.tensors.values()) > 0
     assert info["user_content"]["keys"] == ["step"]
-
-
-def test_nxd_ckpt_commands_not_on_storage_refuse_s3_with_advice(s3_url, capsys):
-    from nxd_ckpt.cli import main
-
-    assert main(["import", f"{s3_url}/hf", f"{s3_url}/t"]) == 1
-    assert "Copy it to local disk first" in capsys.readouterr().err

@@ -326,3 +326,17 @@ def test_list_checkpoints_on_s3_is_one_list(s3_url, tmp_path):
     requests.clear()
     assert nxd_ckpt.list_checkpoints(s3_url) == ["b", "a"]
     assert requests == {"list_objects_v2": 1}, requests
+
+
+@pytest.mark.parametrize("kind", ["mem", "s3"])
+def test_import_from_a_hugging_face_directory_on_an_object_store(kind, tmp_path, request):
+    """import reads HF_DIR through Storage too (headers by two ranged reads per file, each tensor by one):
+    the same tag as from the local directory, file for file."""
+    base = request.getfixturevalue("s3_url") if kind == "s3" else _base("mem", tmp_path)
+    local = _full_state_tag(str(tmp_path / "a"))
+    assert _run("export", local, "--output", str(tmp_path / "hf"), "--max-shard-size", "600B", "--dtype", "bf16") == 0
+    assert len(os.listdir(tmp_path / "hf")) > 2
+    assert _run("import", str(tmp_path / "hf"), str(tmp_path / "imported"), "--tp", "2", "--preset", "llama") == 0
+    upload(str(tmp_path / "hf"), f"{base}/hf")
+    assert _run("import", f"{base}/hf", f"{base}/imported", "--tp", "2", "--preset", "llama") == 0
+    assert_same_tree(f"{base}/imported", str(tmp_path / "imported"))

@@ -18,10 +18,8 @@ _ENABLED_TEST_SCHEMES: set = set()
 _S3_BUCKETS: dict = {}
 
 
-def check_location(path, *, offline_tool: bool = False) -> str:
-    """``path`` as a string, or CheckpointArgumentError when it is a URL whose scheme no backend here serves,
-    or (``offline_tool``) an ``s3://`` URL given to an `nxd-ckpt` argument that takes POSIX paths only
-    (import's HF_DIR).
+def check_location(path) -> str:
+    """``path`` as a string, or CheckpointArgumentError when it is a URL whose scheme no backend here serves.
     Every entry point and tool calls this first."""
     text = os.fspath(path) if not isinstance(path, str) and hasattr(path, "__fspath__") else path
     if isinstance(text, bytes):
@@ -30,11 +28,6 @@ def check_location(path, *, offline_tool: bool = False) -> str:
         scheme = text.split("://", 1)[0]
         from ..errors import CheckpointArgumentError
 
-        if scheme == "s3" and offline_tool:
-            raise CheckpointArgumentError(
-                f"{text!r} is an s3:// URL, which this argument does not take: Hugging Face directories are "
-                f"read on POSIX paths only (the checkpoints and DCP directories of every nxd-ckpt command may be on "
-                f"S3). Copy it to local disk first (aws s3 sync {text} ./local_copy) and pass that path.")
         if scheme != "s3" and scheme not in _ENABLED_TEST_SCHEMES:
             raise CheckpointArgumentError(
                 f"{text!r} is a {scheme}:// URL, which nxd-ckpt does not serve: pass a POSIX path (local disk, FSx "
