@@ -29,6 +29,7 @@ from .errors import CorruptCheckpointError, UnsafeCheckpointError
 from .manifest import FileEntry, Manifest
 from .plan import assign_to_bins
 from .storage import Storage
+from .storage.base import READ_BLOCK
 
 log = logging.getLogger("nxd_ckpt")
 
@@ -213,15 +214,44 @@ class FileReader:
         """``lazy.tensor(t)`` of the shard ``relpath`` that ``plain_lazy`` opened, its errors named as ours."""
         return self._unpickled(relpath, lambda: lazy.tensor(t))
 
+    def read_buffer(self, relpath: str) -> torch.Tensor:
+        """The whole file in a new uint8 host tensor, read in READ_BLOCK pieces straight into it, the CRC32C
+        taken on each piece as it arrives (still in cache), verified against the manifest."""
+        entry, full = self.entry(relpath), self._full(relpath)
+        try:
+            size = entry.size if entry is not None else self.storage.size(full)
+            buf = torch.empty(size + 1, dtype=torch.uint8)     # one byte more: a longer file shows
+            view = memoryview(buf.numpy())
+            crc = got = 0
+            while got < len(view):
+                want = min(READ_BLOCK, len(view) - got)
+                n = self.storage.read_into(full, view[got:got + want], got)
+                crc = _crc32c.crc32c(view[got:got + n], crc)
+                got += n
+                if n < want:
+                    break
+            if entry is not None and got > size:
+                got = self.storage.size(full)                   # for the message: the file's real size
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+            raise self._corrupt(relpath, "is missing") from None
+        if entry is not None:
+            entry.check(got, crc, self.where(relpath), self.hint)
+        return buf[:got]
+
     def load_tensor(self, relpath: str, mapped: Optional[bool] = None) -> torch.Tensor:
-        """One xser tensor file, verified. ``mapped`` (default: the reader's): a large local file may come back
-        memory-mapped (``_read_tensor_mapped``, verified in the same pass)."""
+        """One xser tensor file, verified; the tensor is a view of the file's bytes read into host memory
+        once (``read_buffer``, ``xser.load_tensor_in_place``). ``mapped`` (default: the reader's): a large
+        local file may come back memory-mapped instead (``_read_tensor_mapped``, verified in the same pass)."""
         direct = self._load_tensor_mapped(relpath) if (self.mapped if mapped is None else mapped) else None
         if direct is not None:
             return direct
-        data = self.read(relpath)
+        buf = self.read_buffer(relpath)
         name = self.where(relpath)
-        return self._unpickled(relpath, lambda: xser.read_tensor(io.BytesIO(data), trusted=self.trusted, name=name))
+        tensor = self._unpickled(relpath, lambda: xser.load_tensor_in_place(buf, trusted=self.trusted, name=name))
+        if not isinstance(tensor, torch.Tensor):
+            raise self._corrupt(relpath, f"holds a {type(tensor).__name__}, not a tensor (a tensor file holds one "
+                                "torch.save'd tensor)")
+        return tensor
 
     def _load_tensor_mapped(self, relpath: str) -> Optional[torch.Tensor]:
         """A large local tensor file memory-mapped: verified in the same pass when the manifest lists it

@@ -48,6 +48,7 @@ def _layout_rank(rank, world, root, tp, pp, use_xser, node_local=False):
 
     reads = []
     original = reader.FileReader.read
+    original_buffer = reader.FileReader.read_buffer             # tensor files read into a buffer
     original_direct = reader.FileReader._load_tensor_mapped   # tensor files read straight into tensors
 
     def direct(self, rel):
@@ -57,10 +58,12 @@ def _layout_rank(rank, world, root, tp, pp, use_xser, node_local=False):
         return tensor
 
     reader.FileReader.read = lambda self, rel: (reads.append(rel), original(self, rel))[1]
+    reader.FileReader.read_buffer = lambda self, rel: (reads.append(rel), original_buffer(self, rel))[1]
     reader.FileReader._load_tensor_mapped = direct
     uc = nxd_ckpt.load_checkpoint(root, model=fresh, optimizer=fresh_opt, scheduler=fresh_sched,
                                   node_local=node_local)
     reader.FileReader.read = original
+    reader.FileReader.read_buffer = original_buffer
     reader.FileReader._load_tensor_mapped = original_direct
     assert uc == {"step": 2, "note": "hi"}
     assert all(p.device.type == "xla" for p in fresh.parameters())

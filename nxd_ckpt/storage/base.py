@@ -10,6 +10,7 @@ backend never re-implements it.
 from __future__ import annotations
 
 import io
+import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Callable, Dict, Iterable, List, Optional, Tuple
@@ -171,6 +172,27 @@ class Storage(ABC):
 
     def read_bytes(self, relpath: str) -> bytes:
         return self.read(relpath)
+
+    def read_into(self, relpath: str, view: memoryview, offset: int = 0) -> int:
+        """Fill ``view`` with the file's bytes from ``offset`` (fewer only at the end of the file); how many were
+        read. Where the backend has local files they go straight into ``view``, with no bytes object between.
+        FileNotFoundError."""
+        local = self.local_path(relpath)
+        if local is None:
+            data = self.read(relpath, offset, len(view))
+            view[:len(data)] = data
+            return len(data)
+        fd = os.open(local, os.O_RDONLY)
+        try:
+            got = 0
+            while got < len(view):
+                n = os.preadv(fd, [view[got:]], offset + got)
+                if n <= 0:
+                    break
+                got += n
+            return got
+        finally:
+            os.close(fd)
 
     def crc32c(self, relpath: str) -> tuple:
         """(size, CRC32C) of one file without holding it in memory: ranged reads of READ_BLOCK bytes
