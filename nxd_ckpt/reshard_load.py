@@ -287,6 +287,12 @@ def _nbytes(shape, itemsize: int = 4) -> int:
     return math.prod(shape) * itemsize
 
 
+def _job_bytes(target: "Target", key: str, copies: int) -> int:
+    """What resharding ``key`` holds at most: ``copies`` tensors of its new shard's size, at least 4 bytes an
+    element (optimizer state and master weights are float32 under a lower-precision model)."""
+    return copies * _nbytes(target.shapes[key], max(4, target.itemsizes.get(key, 4)))
+
+
 # --- targets ----------------------------------------------------------------------------------------
 @dataclass
 class Target:
@@ -306,6 +312,7 @@ class Target:
     edp: int = 1                                   # expert-DP size and rank (the group of an expert's ZeRO-1)
     edp_rank: int = 0
     experts: frozenset = frozenset()               # parameter keys marked expert_model_parallel
+    itemsizes: Dict[str, int] = field(default_factory=dict)   # bytes per element of each local tensor
 
 
 def target_of(model, world: World) -> Target:
@@ -324,7 +331,8 @@ def target_of(model, world: World) -> Target:
     return Target(topo.tp, c.tp, topo.dp, c.dp, shapes, params,
                   {k: Partition.of_param(v) for k, v in named}, frozenset(k for ps in gathered for k in ps),
                   [id(v) for _, v in named], topo.ep, x.ep, topo.edp, x.edp,
-                  frozenset(k for k, v in named if getattr(v, "expert_model_parallel", False)))
+                  frozenset(k for k, v in named if getattr(v, "expert_model_parallel", False)),
+                  {k: v.element_size() for k, v in sd.items() if isinstance(v, torch.Tensor)})
 
 
 # --- one tensor -------------------------------------------------------------------------------------
@@ -441,7 +449,7 @@ def read_model(src: Source, target: Target, index: Dict[str, Tuple[int, int]]) -
             return None
 
     keys = [k for k in target.shapes if k in stage_of]   # others: check_model reports missing keys (strict)
-    jobs = [(2 * _nbytes(target.shapes[k]), lambda k=k: one(k, stage_of[k])) for k in keys]
+    jobs = [(_job_bytes(target, k, 2), lambda k=k: one(k, stage_of[k])) for k in keys]
     out = {k: v for k, v in zip(keys, _run_bounded(jobs, src.workers, src.inflight_bytes)) if v is not None}
     if unsplit:
         raise StateMismatchError(
@@ -603,7 +611,7 @@ def _group_map(n_saved: int, saved_off, n_mine: int, mine_off) -> Callable[[int]
 
 def _read_zero1(src: Source, target: Target, index, groups, slots: List[Slot], ep_keys: dict) -> dict:
     has_masters = "sharded_master_weights" in src.zero1(0, 0, 0).ref
-    jobs = [(4 * _nbytes(target.shapes[s.key]), lambda s=s: _zero1_param(src, target, index, s, has_masters))
+    jobs = [(_job_bytes(target, s.key, 4), lambda s=s: _zero1_param(src, target, index, s, has_masters))
             for s in slots]
     base, shapes, masters_ = {}, {}, {}
     for s, (entry, shape, master) in zip(slots, _run_bounded(jobs, src.workers, src.inflight_bytes)):
