@@ -16,6 +16,7 @@ import crc32c as _crc32c
 from . import layout
 from ._version import __version__
 from .errors import CorruptCheckpointError
+from .storage.s3 import S3Error
 
 FORMAT = "nxd-ckpt-manifest"
 VERSION = 1
@@ -242,6 +243,8 @@ def read(where, tag: str = "") -> Optional[Manifest]:
     try:
         return parse(_read_if_file(storage, _in(tag, layout.MANIFEST_FILE)),
                      _read_if_file(storage, _in(tag, layout.DONE_MARKER)), tag or storage.root)
+    except S3Error:
+        raise    # the store did not answer in time: a failed load, not damage (tag=None must not skip the tag)
     except (OSError, ValueError) as exc:
         detail = str(exc) if isinstance(exc, ValueError) else f"{name} cannot be read ({exc})"
         raise CorruptCheckpointError(

@@ -82,7 +82,8 @@ class RankReport:
 
 @dataclass
 class Outcome:
-    """Rank 0's verdict on a save (travels as JSON through the store)."""
+    """Rank 0's verdict on a step of a save: the working directory prepared, the save committed (travels as
+    JSON through the store)."""
 
     ok: bool
     causes: Dict[int, str] = field(default_factory=dict)      # failing rank -> why
@@ -111,12 +112,11 @@ class SaveJob:
     tasks: TaskQueue = field(default_factory=TaskQueue)
     finished: threading.Event = field(default_factory=threading.Event)
     error: Optional[BaseException] = None
-    stats: SaveStats = None  # type: ignore[assignment]   # set in __post_init__
+    stats: SaveStats = field(init=False)
     dcp_locations: Optional[list] = None    # use_zero1_dcp: set by the data file's producer, for rank 0's .metadata
 
     def __post_init__(self):
-        if self.stats is None:
-            self.stats = SaveStats(tag=self.tag, num_workers=self.num_workers)
+        self.stats = SaveStats(tag=self.tag, num_workers=self.num_workers)
 
     def since_call(self) -> float:
         return time.monotonic() - self.called_at
@@ -190,25 +190,25 @@ def _prepare(job: SaveJob, workdir: str) -> None:
         except Exception as exc:  # noqa: BLE001
             error = describe(exc)
             _abandon_quietly(job.storage, job.tag)
-            coord.publish("prepared", {"ok": False, "error": error})
+            coord.publish("prepared", Outcome(False, {0: error}).to_json())
             job.tasks.drain()
             raise RankFailureError(
                 f"checkpoint {job.tag!r} was not saved: rank 0 could not create {workdir} in "
                 f"{job.storage.root}: {error}. Fix {job.storage.fix_hint} and save again; earlier checkpoints "
                 "are intact.", {0: error}) from exc
-        coord.publish("prepared", {"ok": True})
+        coord.publish("prepared", Outcome(True).to_json())
         return
     try:
-        state = coord.wait_for("prepared", "the staging directory", owner=0)
+        prepared = Outcome.from_json(coord.wait_for("prepared", "the staging directory", owner=0))
     except RankFailureError:
         job.tasks.drain()
         raise
-    if not state["ok"]:
+    if not prepared.ok:
         job.tasks.drain()
         raise RankFailureError(
             f"checkpoint {job.tag!r} was not saved: rank 0 could not create its staging directory: "
-            f"{state['error']}. Fix {job.storage.fix_hint} and save again; earlier checkpoints are intact.",
-            {0: state["error"]})
+            f"{prepared.causes[0]}. Fix {job.storage.fix_hint} and save again; earlier checkpoints are intact.",
+            prepared.causes)
 
 
 def _wait_outcome(job: SaveJob) -> Outcome:
