@@ -206,8 +206,9 @@ def _read_optim(reader: FileReader, model: Dict[str, TensorSource],
     folder = reader.where(layout.OPTIM_DIR)
     names = layout.list_shard_files(reader.storage, layout.OPTIM_DIR)
     if not names and reader.storage.isfile(f"{layout.OPTIM_DIR}/{layout.DCP_METADATA_FILE}"):
-        raise ConversionError(f"{folder} holds a ZeRO-1 state saved with use_zero1_dcp=True (a DCP checkpoint), which "
-                              "the converters do not read yet; pass --no-optimizer to convert the model only")
+        from . import zero1_dcp_full    # a ZeRO-1 state saved with use_zero1_dcp=True
+
+        return zero1_dcp_full.read_optim(reader, model, stage_keys)
     if not names:
         raise ConversionError(f"{folder} holds no optimizer files; pass --no-optimizer to convert the model only")
     if any(s.ep is not None for s in names):
@@ -238,10 +239,10 @@ def _read_optim(reader: FileReader, model: Dict[str, TensorSource],
         for g in (first if pp == min(stage_keys) else files[(0, pp, 0)].data)["param_groups"]:
             hyper = {k: v for k, v in g.items() if k != "params"}
             groups.append((hyper, [order[int(i)] for i in g["params"] if int(i) < len(order)]))
-    return OptimState(params, _merge_groups(groups))
+    return OptimState(params, merge_groups(groups))
 
 
-def _merge_groups(groups: List[Tuple[dict, List[str]]]) -> List[Tuple[dict, List[str]]]:
+def merge_groups(groups: List[Tuple[dict, List[str]]]) -> List[Tuple[dict, List[str]]]:
     """Stages' groups with equal hyper-parameters become one group (group k of every stage)."""
     out: List[Tuple[dict, List[str]]] = []
     for hyper, names in groups:
@@ -286,7 +287,7 @@ def _param_names(f: _OptimFile, keys: List[str], model: Dict[str, TensorSource],
     count = len(data["shape_info"]) if zero1 else sum(sizes)
     recorded = ((reader.manifest.extra if reader.manifest is not None else {}).get("optim_params") or {}).get(f.rel)
     for order in param_orders(keys, sizes, count, recorded):
-        if not zero1 or all(tuple(int(d) for d in data["shape_info"][i]) == _local_shape(model[k], ntp)
+        if not zero1 or all(tuple(int(d) for d in data["shape_info"][i]) == local_shape(model[k], ntp)
                             for i, k in enumerate(order)):
             return order
     raise ConversionError(
@@ -296,7 +297,7 @@ def _param_names(f: _OptimFile, keys: List[str], model: Dict[str, TensorSource],
         "names. Pass --no-optimizer to convert the model only")
 
 
-def _local_shape(t: TensorSource, ntp: int) -> tuple:
+def local_shape(t: TensorSource, ntp: int) -> tuple:
     from .partition import tp_shard_shape
 
     return tp_shard_shape(t.shape, t.partition, ntp, t.name)
@@ -395,7 +396,7 @@ def _joined(reader: FileReader, per_tp: List[List[_OptimFile]], path: tuple, par
             label: str) -> TensorSource:
     """A state tensor of one parameter: ZeRO-1 pieces joined over DP per TP rank, then TP shards joined.
     Assembled in place in the full tensor, one input piece in memory at a time (about 1.x full tensors)."""
-    local = _local_shape(param, len(per_tp))
+    local = local_shape(param, len(per_tp))
     dtype = _leaf_meta(reader, per_tp[0][0], path)
 
     def load():
