@@ -30,6 +30,7 @@ from .manifest import FileEntry, Manifest
 from .plan import assign_to_bins
 from .storage import Storage
 from .storage.base import READ_BLOCK
+from .storage.s3 import S3Error
 
 log = logging.getLogger("nxd_ckpt")
 
@@ -140,6 +141,8 @@ class FileReader:
             size, crc = self.storage.crc32c(full)
         except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
             return "is missing"
+        except S3Error:
+            raise    # the store did not answer in time: a failed read, not damage
         except OSError as exc:
             return f"cannot be read: {exc}"
         return entry.mismatch(size, crc)
@@ -154,7 +157,7 @@ class FileReader:
         except xser.UnsafeCheckpointError as exc:
             raise UnsafeCheckpointError(str(exc), path=self.where(relpath),
                                         global_name=exc.global_name) from None
-        except CorruptCheckpointError:
+        except (CorruptCheckpointError, S3Error):   # S3Error: the store did not answer in time, not damage
             raise
         except Exception as exc:  # noqa: BLE001 - any other failure to unpickle verified bytes: damage
             detail = str(exc) if isinstance(exc, xser.XserError) else f"cannot be read: {exc}"
