@@ -29,6 +29,7 @@ from .pickling import _SAFE_ENTRIES, REF_PICKLE, _load_errors
 ReadRange = Callable[[int, int], bytes]
 
 _LOCAL_HEADER = struct.Struct("<4s2B4HL2L2H")    # a zip local file header (zipfile.structFileHeader)
+_ALIGN = 64      # torch.save starts each storage record's data at a multiple of this (its default alignment)
 
 
 class _RangeFile(io.RawIOBase):
@@ -78,17 +79,16 @@ class LazyFile:
         if not isinstance(t, torch.Tensor) or t.device.type != "meta":
             return t
         key, nbytes = self._storages[t.untyped_storage()._cdata]
-        base = self._data_offset(key)
         isz = t.element_size()
         if t.is_contiguous():
             start, length = t.storage_offset() * isz, t.numel() * isz
             out = torch.empty(t.shape, dtype=t.dtype)
             if length:
-                _fill(out.reshape(-1).view(torch.uint8), self._exact(base + start, length, key))
+                _fill(out.reshape(-1).view(torch.uint8), self._span(key, start, length))
             return out
         storage = torch.empty(nbytes, dtype=torch.uint8)
         if nbytes:
-            _fill(storage, self._exact(base, nbytes, key))
+            _fill(storage, self._span(key, 0, nbytes))
         return torch.empty((0,), dtype=t.dtype).set_(storage.untyped_storage(), t.storage_offset(), t.shape,
                                                      t.stride())
 
@@ -99,19 +99,48 @@ class LazyFile:
                                    f"at {offset}, got {len(data)}); restore it from a complete copy", path=self.name)
         return data
 
+    def _span(self, key: str, start: int, length: int) -> bytes:
+        """``length`` bytes at ``start`` of record ``key``'s data. Where the data starts is in the record's local
+        header; a record read from its start for the first time comes with its header in one request (the data
+        offset predicted from torch's 64-byte alignment and checked against the header), so a tensor costs one
+        read (one ranged GET on an object store); when the data starts later than predicted, a second read fetches
+        just the missing tail."""
+        if key in self._offsets or start:
+            return self._exact(self._data_offset(key) + start, length, key)
+        info = self._info(key)
+        head = info.header_offset
+        natural = head + _LOCAL_HEADER.size + len(info.orig_filename.encode())
+        guess = -(-(natural + 4) // _ALIGN) * _ALIGN
+        blob = self._read(head, guess - head + length)
+        lo = self._header_end(key, info, blob[:_LOCAL_HEADER.size]) - head
+        if lo + length > len(blob) >= guess - head + length:     # the data starts later than predicted: the tail
+            blob += self._exact(head + len(blob), lo + length - len(blob), key)
+        data = blob[lo:lo + length]
+        if len(data) != length:
+            raise CorruptFileError(f"{self.name} is truncated: storage record {key} ends early (wanted {length} bytes "
+                                   f"at {head + lo}, got {len(data)}); restore it from a complete copy", path=self.name)
+        return data
+
+    def _info(self, key: str) -> zipfile.ZipInfo:
+        try:
+            return self._zip.getinfo(f"{self._prefix}data/{key}")
+        except KeyError:
+            raise CorruptFileError(f"{self.name} has no storage record {key} although its pickle uses it; "
+                                   "restore it from a complete copy", path=self.name) from None
+
+    def _header_end(self, key: str, info: zipfile.ZipInfo, head: bytes) -> int:
+        """Record ``key``'s data offset, from its local header ``head`` (remembered)."""
+        if len(head) != _LOCAL_HEADER.size or head[:4] != zipfile.stringFileHeader:
+            raise CorruptFileError(f"{self.name}: the zip header of storage record {key} is damaged", path=self.name)
+        fields = _LOCAL_HEADER.unpack(head)
+        self._offsets[key] = info.header_offset + _LOCAL_HEADER.size + fields[10] + fields[11]
+        return self._offsets[key]
+
     def _data_offset(self, key: str) -> int:
         """Where record ``key``'s bytes start: after its local header, whose extra field torch pads (alignment)."""
         if key not in self._offsets:
-            try:
-                info = self._zip.getinfo(f"{self._prefix}data/{key}")
-            except KeyError:
-                raise CorruptFileError(f"{self.name} has no storage record {key} although its pickle uses it; "
-                                       "restore it from a complete copy", path=self.name) from None
-            head = self._read(info.header_offset, _LOCAL_HEADER.size)
-            if len(head) != _LOCAL_HEADER.size or head[:4] != zipfile.stringFileHeader:
-                raise CorruptFileError(f"{self.name}: the zip header of storage record {key} is damaged", path=self.name)
-            fields = _LOCAL_HEADER.unpack(head)
-            self._offsets[key] = info.header_offset + _LOCAL_HEADER.size + fields[10] + fields[11]
+            info = self._info(key)
+            self._header_end(key, info, self._read(info.header_offset, _LOCAL_HEADER.size))
         return self._offsets[key]
 
 
