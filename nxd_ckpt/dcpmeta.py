@@ -53,9 +53,3 @@ def read_metadata(data: bytes, where: str, trusted: bool = False):
         raise CorruptCheckpointError(f"{where} holds a {type(meta).__name__}, not a torch.distributed.checkpoint "
                                      "Metadata", path=where)
     return meta
-
-
-def read_metadata_file(path: str, trusted: bool = False):
-    """``read_metadata`` of the file at ``path``."""
-    with open(path, "rb") as f:
-        return read_metadata(f.read(), path, trusted)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import io
 import itertools
 import logging
-import os
 import warnings
 import zlib
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
@@ -29,7 +28,7 @@ from .errors import CorruptCheckpointError, UnsafeCheckpointError
 from .manifest import FileEntry, Manifest
 from .plan import assign_to_bins
 from .storage import Storage
-from .storage.base import READ_BLOCK
+from .storage.base import READ_BLOCK, LocalFile
 from .storage.s3 import S3Error
 
 log = logging.getLogger("nxd_ckpt")
@@ -259,19 +258,20 @@ class FileReader:
     def _load_tensor_mapped(self, relpath: str) -> Optional[torch.Tensor]:
         """A large local tensor file memory-mapped: verified in the same pass when the manifest lists it
         (``_read_tensor_mapped``); as it is when there is no manifest (nothing to verify against). None when
-        that does not apply or the file does not verify; load_tensor then reads the bytes and names the damage."""
-        local = self.storage.local_path(self._full(relpath))
+        that does not apply (an object store, a small file) or the file does not verify; load_tensor then
+        reads the bytes and names the damage."""
         entry = self.manifest.files.get(relpath) if self.manifest is not None else None
-        if local is None or (self.manifest is not None and entry is None):
+        if self.manifest is not None and (entry is None or entry.size < MAPPED_MIN_BYTES):
             return None
         try:
-            if entry is None:
-                if os.path.getsize(local) < MAPPED_MIN_BYTES:
+            with self.storage.open_local(self._full(relpath)) as local:
+                if local is None:
                     return None
-                return xser.read_tensor(local, trusted=self.trusted, name=self.where(relpath), mmap=True)
-            if entry.size < MAPPED_MIN_BYTES:
-                return None
-            return _read_tensor_mapped(local, entry, self.trusted, self.where(relpath))
+                if entry is None:
+                    if local.size < MAPPED_MIN_BYTES:
+                        return None
+                    return xser.read_tensor(local.path, trusted=self.trusted, name=self.where(relpath), mmap=True)
+                return _read_tensor_mapped(local, entry, self.trusted, self.where(relpath))
         except xser.UnsafeCheckpointError as exc:
             raise UnsafeCheckpointError(str(exc), path=self.where(relpath)) from None
         except Exception:  # noqa: BLE001 - any doubt: the byte-exact path decides and explains
@@ -283,11 +283,12 @@ class FileReader:
 MAPPED_MIN_BYTES = 1 << 20
 
 
-def _read_tensor_mapped(path: str, entry: FileEntry, trusted: bool, name: str) -> Optional[torch.Tensor]:
-    """The tensor of a one-tensor torch.save file, backed by a private mapping of the file
-    (``torch.load(mmap=True)``), verified against the manifest ``entry``: size, and CRC32C over the bytes
-    before the data record, the mapped storage itself (this pass pages the file in) and the bytes after
-    it. None when the layout is not that (not exactly one data record) or the checksum differs.
+def _read_tensor_mapped(local: LocalFile, entry: FileEntry, trusted: bool, name: str) -> Optional[torch.Tensor]:
+    """The tensor of a one-tensor torch.save file held open (``Storage.open_local``), backed by a private
+    mapping of the file (``torch.load(mmap=True)``), verified against the manifest ``entry``: size, and
+    CRC32C over the bytes before the data record, the mapped storage itself (this pass pages the file in)
+    and the bytes after it. None when the layout is not that (not exactly one data record) or the checksum
+    differs.
 
     The host-to-device copy then reads the page cache directly: no ``bytes`` copy of the file, no second
     copy while deserialising, no freshly faulted anonymous memory. On the XLA CPU device (2 cores) a cold
@@ -295,31 +296,26 @@ def _read_tensor_mapped(path: str, entry: FileEntry, trusted: bool, name: str) -
     Checkpoint files are immutable once committed (written to a temporary name and renamed), so the
     bytes verified are the bytes transferred; a file removed meanwhile stays readable through the map.
     """
-    with open(path, "rb", buffering=0) as f:
-        fd = f.fileno()
-        size = os.fstat(fd).st_size
-        if size != entry.size:
-            return None
-        src = f"/proc/self/fd/{fd}"          # the file opened above, even if the name is replaced meanwhile
-        if not os.path.exists(src):
-            src = path
-        zip_reader = torch._C.PyTorchFileReader(src)
-        records = [r for r in zip_reader.get_all_records() if r.startswith("data/")]
-        if len(records) != 1:
-            return None
-        offset = zip_reader.get_record_offset(records[0])
-        del zip_reader
-        tensor = xser.read_tensor(src, trusted=trusted, name=name, mmap=True)
-        if not isinstance(tensor, torch.Tensor) or tensor.device.type != "cpu":
-            return None
-        storage = tensor.untyped_storage()
-        nbytes = storage.nbytes()
-        if offset + nbytes > size:
-            return None
-        body = torch.empty(0, dtype=torch.uint8).set_(storage)
-        crc = _crc32c.crc32c(os.pread(fd, offset, 0))
-        crc = _crc32c.crc32c(body.numpy(), crc)
-        crc = _crc32c.crc32c(os.pread(fd, size - offset - nbytes, offset + nbytes), crc)
+    size = local.size
+    if size != entry.size:
+        return None
+    zip_reader = torch._C.PyTorchFileReader(local.path)
+    records = [r for r in zip_reader.get_all_records() if r.startswith("data/")]
+    if len(records) != 1:
+        return None
+    offset = zip_reader.get_record_offset(records[0])
+    del zip_reader
+    tensor = xser.read_tensor(local.path, trusted=trusted, name=name, mmap=True)
+    if not isinstance(tensor, torch.Tensor) or tensor.device.type != "cpu":
+        return None
+    storage = tensor.untyped_storage()
+    nbytes = storage.nbytes()
+    if offset + nbytes > size:
+        return None
+    body = torch.empty(0, dtype=torch.uint8).set_(storage)
+    crc = _crc32c.crc32c(local.pread(offset, 0))
+    crc = _crc32c.crc32c(body.numpy(), crc)
+    crc = _crc32c.crc32c(local.pread(size - offset - nbytes, offset + nbytes), crc)
     return tensor if f"{crc:08x}" == entry.crc32c else None
 
 

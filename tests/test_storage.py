@@ -80,6 +80,21 @@ def test_missing_key_is_file_not_found(storage):
         storage.stat("nope")
 
 
+def test_open_local_holds_the_file_open_where_the_backend_is_local(storage):
+    storage.write_bytes("d/f", b"0123456789")
+    with storage.open_local("d/f") as local:
+        if not storage.caps.local:
+            assert local is None             # object stores: no local file, callers read through the store
+            return
+        storage.write_bytes("d/f", b"replaced")  # a new file under the name: the one held open is unchanged
+        assert local.size == 10 and local.pread(4, 3) == b"3456" and local.pread(9, 8) == b"89"
+        with open(local.path, "rb") as f:
+            assert f.read() == b"0123456789"
+    with pytest.raises(FileNotFoundError):
+        with storage.open_local("d/nope"):
+            pass
+
+
 def test_capabilities():
     assert LocalStorage("/tmp").caps.rename and LocalStorage("/tmp").caps.local
     obj = open_storage("mem://caps/x")

@@ -280,13 +280,14 @@ def test_param_groups_that_differ_are_refused(tmp_path, saved, live, what):
 def test_a_damaged_entry_is_named_by_its_byte_range(tmp_path):
     from torch.distributed.checkpoint.metadata import MetadataIndex
 
-    from nxd_ckpt.dcpmeta import read_metadata_file
+    from nxd_ckpt.dcpmeta import read_metadata
 
     model = TinyShard(device="cpu")
     nxd_ckpt.save_checkpoint(str(tmp_path), "r", model=model, optimizer=_grouped(model, [3]), async_save=True,
                              use_zero1_dcp=True)
     nxd_ckpt.finalize_checkpoint()
-    meta = read_metadata_file(str(tmp_path / "r" / "optim" / ".metadata"))
+    meta_path = tmp_path / "r" / "optim" / ".metadata"
+    meta = read_metadata(meta_path.read_bytes(), str(meta_path))
     info = meta.storage_data[MetadataIndex("base_state.up.exp_avg", torch.Size([0, 0]))]
     data = bytearray((tmp_path / "r" / "optim" / info.relative_path).read_bytes())
     data[info.offset + info.length - 5] ^= 0xFF

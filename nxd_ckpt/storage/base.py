@@ -9,11 +9,12 @@ backend never re-implements it.
 """
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Callable, Dict, Iterable, List, Optional, Tuple
+from typing import Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 
 import crc32c as _crc32c
 
@@ -46,6 +47,21 @@ class FileRecord:
 class Stat:
     size: int
     mtime: float
+
+
+@dataclass(frozen=True)
+class LocalFile:
+    """A local file held open (``Storage.open_local``). ``path`` names the opened file itself
+    (``/proc/self/fd/N`` where there is one), so a reader that takes a path, such as torch's memory-mapped
+    loader, reads these bytes even if the name is replaced meanwhile; ``size`` is the opened file's size."""
+
+    path: str
+    size: int
+    fd: int
+
+    def pread(self, length: int, offset: int) -> bytes:
+        """``length`` bytes from ``offset`` of the opened file (fewer only at its end)."""
+        return os.pread(self.fd, length, offset)
 
 
 @dataclass(frozen=True)
@@ -244,6 +260,19 @@ class Storage(ABC):
     def local_path(self, relpath: str) -> Optional[str]:
         """A filesystem path for the key when the backend is local (for memory-mapped reads), else None."""
         return None
+
+    @contextlib.contextmanager
+    def open_local(self, relpath: str) -> Iterator[Optional[LocalFile]]:
+        """The key's local file held open for the ``with`` block (memory-mapped reads), or None when the
+        backend has no local files (object stores). FileNotFoundError when a local key is missing."""
+        local = self.local_path(relpath)
+        if local is None:
+            yield None
+            return
+        with open(local, "rb", buffering=0) as f:
+            fd = f.fileno()
+            src = f"/proc/self/fd/{fd}"
+            yield LocalFile(src if os.path.exists(src) else local, os.fstat(fd).st_size, fd)
 
     @abstractmethod
     def child(self, relpath: str) -> "Storage":
