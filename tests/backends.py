@@ -59,5 +59,17 @@ def overwrite(root: str, rel: str, data: bytes) -> None:
         f.write(data)
 
 
+def local_copy(root: str, prefix: str, dest) -> str:
+    """The files under ``prefix`` read through Storage into the local folder ``dest`` (same relative paths),
+    for readers that need a local path (``xser.load``); ``dest``/``prefix``."""
+    s = storage_of(root)
+    for rel in s.list(prefix):
+        path = os.path.join(str(dest), rel)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "wb") as f:
+            f.write(s.read(rel))
+    return os.path.join(str(dest), prefix)
+
+
 def remove(root: str, rel: str) -> None:
     storage_of(root).remove_file(rel)

@@ -6,9 +6,9 @@ import os
 import pytest
 import torch
 
-from backends import files_under, root_for
+from backends import ckpt_root, files_under, local_copy, root_for  # noqa: F401 - ckpt_root: a fixture
 from harness import run_ranks
-from tiny_models import TinyShard, all_files, assert_bit_equal, to_cpu_state, train_steps, xla_device
+from tiny_models import TinyShard, assert_bit_equal, to_cpu_state, train_steps, xla_device
 
 
 def _setup(tp=1, pp=1, ep=1):
@@ -88,10 +88,11 @@ def _expected_files(tp, pp, ntensors_model, ntensors_optim, use_xser, optim_dp=(
     return files
 
 
-# xser on both backends (POSIX with the rename commit, the shared-directory object store with the marker
-# commit: the same keys); plain shards on POSIX.
-@pytest.mark.parametrize("backend,use_xser", [("posix", True), ("posix", False), ("objects", True)],
-                         ids=["xser", "plain", "xser-objects"])
+# xser and plain shards on both backends (POSIX with the rename commit, the shared-directory object store
+# with the marker commit: the same keys).
+@pytest.mark.parametrize("backend,use_xser", [("posix", True), ("posix", False), ("objects", True),
+                                              ("objects", False)],
+                         ids=["xser", "plain", "xser-objects", "plain-objects"])
 def test_tp2_pp2_dp2_layout_and_reload(tmp_path, backend, use_xser):
     root = root_for(backend, tmp_path)
     results = run_ranks(_layout_rank, 8, root, 2, 2, use_xser, timeout=240)
@@ -188,8 +189,8 @@ def _written_once(per_rank):
     assert len(payload) == len(set(payload)), "a shard file was written by two ranks"
 
 
-def test_zero1_dp4_layout_and_reload(tmp_path):
-    root = str(tmp_path / "ckpt")
+def test_zero1_dp4_layout_and_reload(tmp_path, ckpt_root):
+    root = ckpt_root
     per_rank = run_ranks(_zero1_rank, 4, root, timeout=180)
     # model (up, down, bias, steps_seen) once for the 4 DP replicas; ZeRO-1 optimizer: one shard per DP
     # rank, each with step, exp_avg, exp_avg_sq and a master weight for 3 parameters
@@ -198,14 +199,14 @@ def test_zero1_dp4_layout_and_reload(tmp_path):
     for folder, d, n in shards:
         base = f"step_2/{folder}/dp_rank_{d:02d}_tp_rank_00_pp_rank_00.pt"
         want |= {base, base + ".info.pt"} | {f"{base}.tensors/tensor_{i}.pt" for i in range(n)}
-    assert all_files(root) == want
+    assert files_under(root) == want
     _written_once(per_rank)
     import xser
 
-    full_up = None
+    optim = local_copy(root, "step_2/optim", tmp_path / "copy")
     shards = []
     for d in range(4):
-        data = xser.load(os.path.join(root, "step_2", "optim", f"dp_rank_{d:02d}_tp_rank_00_pp_rank_00.pt"))
+        data = xser.load(os.path.join(optim, f"dp_rank_{d:02d}_tp_rank_00_pp_rank_00.pt"))
         assert data["shape_info"][0] == torch.Size([6, 6])
         shards.append(data["sharded_master_weights"][0])
     full_up = torch.cat(shards)
