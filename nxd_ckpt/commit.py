@@ -16,6 +16,7 @@ from typing import Dict, Iterable, List, Optional, Set, Tuple
 from . import layout
 from .manifest import Manifest, sealed, seal
 from .storage import AlreadyExistsError, Storage
+from .storage.listed import listed
 
 log = logging.getLogger("nxd_ckpt")
 
@@ -128,7 +129,7 @@ class MarkerCommit(CommitStrategy):
         return tag
 
     def begin(self, storage: Storage, tag: str) -> None:
-        if storage.exists(tag):
+        if storage.isdir(tag):              # a prefix: a key named like the tag is no part of it (no HEAD)
             delete_tag(storage, tag)        # `done` first: the old version is never complete-looking again
         storage.write_bytes(f"{tag}/{layout.CHECKPOINT_MARKER}", b"1")
 
@@ -369,15 +370,18 @@ def apply_retention(storage: Storage, num_kept: Optional[int], protected: Iterab
     protected = set(protected)
     repair_interrupted(storage, set(in_flight) | protected)
     busy: Set[str] = set(in_flight) | {staging_name(t) for t in in_flight}
-    tags = scan_tags(storage)
+    # On an object store every question below would be a request (a HEAD per marker, a LIST per prefix);
+    # one listing answers them all (listdir("") lists every key anyway). Deletes still go to `storage`.
+    seen = storage if storage.caps.local else listed(storage)
+    tags = scan_tags(seen)
     complete = [t.tag for t in tags if t.complete]
     # Debris goes first: were a crash to stop retention after a tag went but before the debris did, a
     # leftover could otherwise outlive the tag it belongs to.
     doomed: List[str] = []
-    for name in storage.listdir(""):
+    for name in seen.listdir(""):
         if not _is_special(name) or name in busy or name in protected:
             continue
-        if storage.isdir(name):
+        if seen.isdir(name):
             doomed.append(name)
         elif name.endswith(layout.TMP_SUFFIX):
             storage.remove_file(name)   # e.g. `newest.nxdtmp` of a crash while replacing `newest`
@@ -385,7 +389,7 @@ def apply_retention(storage: Storage, num_kept: Optional[int], protected: Iterab
         keep = set(complete[: max(1, num_kept)])
         doomed += [t for t in complete if t not in keep and t not in protected]
     doomed += [t.tag for t in tags if not t.complete and t.tag not in busy and t.tag not in protected]
-    doomed = [t for t in doomed if _is_special(t) or _is_tag_dir(storage, t)]
+    doomed = [t for t in doomed if _is_special(t) or _is_tag_dir(seen, t)]
     for name in doomed:
         log.info("nxd_ckpt: retention removes %s", name)
         delete_tag(storage, name)

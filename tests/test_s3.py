@@ -99,6 +99,26 @@ def test_large_object_goes_multipart_and_reads_back_in_ranges(s3_url, monkeypatc
     assert torch.equal(target["w"], big["w"])
 
 
+def test_save_with_retention_lists_three_times_and_never_heads(s3_url):
+    """A save that replaces the previous tag: one LIST to prepare the tag, one listing that answers every
+    retention question (which tags exist, complete or not, ours or not), one to delete the old tag's
+    objects; no HeadObject (it made 10 HEADs and 7 LISTs when each question was a request)."""
+    import torch
+
+    import nxd_ckpt
+    from nxd_ckpt.storage import open_storage
+
+    model = {"w": torch.arange(6.0)}
+    nxd_ckpt.save_checkpoint(s3_url, "a", model=model, num_kept_ckpts=1)
+    bucket = open_storage(s3_url).bucket
+    before = dict(bucket.requests)
+    nxd_ckpt.save_checkpoint(s3_url, "b", model=model, num_kept_ckpts=1)
+    made = {k: v - before.get(k, 0) for k, v in bucket.requests.items() if v != before.get(k, 0)}
+    assert made.get("list_objects_v2") == 3 and "head_object" not in made, made
+    assert made.get("delete_objects", 0) >= 1, made
+    assert nxd_ckpt.list_checkpoints(s3_url) == ["b"]
+
+
 def test_multirank_async_save_and_load(s3_url):
     from test_object_store import _tp2_dp2_rank
 
