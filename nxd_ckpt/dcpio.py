@@ -338,36 +338,12 @@ def _seal(store, name: str, records: Dict[str, Any], layout_kind: str, state: Fu
 
 
 # --- reading -------------------------------------------------------------------------------------------
-class _RangeStream(io.RawIOBase):
+def _range_stream(store, rel: str):
     """A read-only, seekable file over one key of a Storage, read in ranges (what torch's FileSystemReader
     needs from a file: seek, read, tell)."""
+    from xser import RangeFile
 
-    def __init__(self, store, rel: str):
-        super().__init__()
-        self._store, self._rel = store, rel
-        self._size = store.size(rel)
-        self._pos = 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
-        self._pos = max(0, base + offset)
-        return self._pos
-
-    def readinto(self, out) -> int:
-        n = max(0, min(len(out), self._size - self._pos))
-        if n:
-            memoryview(out).cast("B")[:n] = self._store.read(self._rel, self._pos, n)
-        self._pos += n
-        return n
+    return RangeFile(lambda offset, n: store.read(rel, offset, n), store.size(rel))
 
 
 class _StorageFS:
@@ -386,7 +362,7 @@ class _StorageFS:
     def create_stream(self, path, mode: str):
         if "r" not in mode:
             raise ValueError(f"{self.store.root}: a DCP checkpoint is only read here")
-        with io.BufferedReader(_RangeStream(self.store, str(path)), buffer_size=8 << 20) as stream:
+        with io.BufferedReader(_range_stream(self.store, str(path)), buffer_size=8 << 20) as stream:
             yield stream
 
 

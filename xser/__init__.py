@@ -9,7 +9,7 @@ from .files import (compact_cpu, info_file, is_compact, read_info, read_tensor, 
                     tensors_dir, write_tensor)
 from .host import is_master, to_cpu
 from .lazy import LazyFile, open_lazy
-from .pickling import REF_PICKLE, ViewReader, dump_refs, load_pickle, load_pickle_in_place
+from .pickling import REF_PICKLE, RangeFile, ViewReader, dump_refs, load_pickle, load_pickle_in_place
 from .tensorfile import load_tensor_in_place
 from .refs import TORCH_XLA_MODULE, TORCH_XLA_NAME, TensorReference, collect_tids, from_refs, is_ref, to_refs
 
@@ -17,7 +17,7 @@ __all__ = [
     "TensorReference", "to_refs", "from_refs", "collect_tids", "is_ref",
     "tensors_dir", "tensor_file", "info_file",
     "write_tensor", "tensor_to_bytes", "read_tensor", "read_info", "compact_cpu", "is_compact", "to_cpu",
-    "dump_refs", "load_refs", "load_pickle", "load_pickle_in_place", "load_tensor_in_place", "ViewReader", "save", "load", "is_master",
+    "dump_refs", "load_refs", "load_pickle", "load_pickle_in_place", "load_tensor_in_place", "ViewReader", "RangeFile", "save", "load", "is_master",
     "LazyFile", "open_lazy",
     "XserError", "MissingFileError", "CorruptFileError", "UnsafeCheckpointError",
     "REF_PICKLE", "TORCH_XLA_MODULE", "TORCH_XLA_NAME",

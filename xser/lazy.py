@@ -23,42 +23,13 @@ from typing import Any, Callable, Dict, Optional, Tuple
 import torch
 
 from .errors import CorruptFileError
-from .pickling import _SAFE_ENTRIES, REF_PICKLE, _load_errors
+from .pickling import _SAFE_ENTRIES, REF_PICKLE, RangeFile, _load_errors
 
 #: ``read(offset, length) -> bytes`` of the file
 ReadRange = Callable[[int, int], bytes]
 
 _LOCAL_HEADER = struct.Struct("<4s2B4HL2L2H")    # a zip local file header (zipfile.structFileHeader)
 _ALIGN = 64      # torch.save starts each storage record's data at a multiple of this (its default alignment)
-
-
-class _RangeFile(io.RawIOBase):
-    """A read-only, seekable file over ``read(offset, length)`` (what zipfile needs to read the directory)."""
-
-    def __init__(self, read: ReadRange, size: int):
-        super().__init__()
-        self._read, self._size, self._pos = read, size, 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
-        self._pos = max(0, base + offset)
-        return self._pos
-
-    def readinto(self, out) -> int:
-        n = max(0, min(len(out), self._size - self._pos))
-        data = self._read(self._pos, n) if n else b""
-        out[:len(data)] = data
-        self._pos += len(data)
-        return len(data)
 
 
 @dataclass
@@ -155,7 +126,7 @@ def open_lazy(read: ReadRange, size: int, *, trusted: bool = False, name: str = 
     a zip ``torch.save`` file whose records are stored uncompressed in little-endian byte order (a legacy file:
     read it whole). Raises xser's errors: CorruptFileError, UnsafeCheckpointError."""
     try:
-        zf = zipfile.ZipFile(_RangeFile(read, size))
+        zf = zipfile.ZipFile(RangeFile(read, size))
     except zipfile.BadZipFile:
         return None
     pkl = [n for n in zf.namelist() if n.endswith("data.pkl") and n.count("/") == 1]

@@ -16,7 +16,7 @@ import pickle
 import re
 import types
 import zipfile
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -202,13 +202,13 @@ def load_pickle_in_place(buffer: torch.Tensor, *, trusted: bool = False, name: O
         return ser._load(zf, "cpu", torch._weights_only_unpickler, overall_storage=whole)
 
 
-class ViewReader(io.RawIOBase):
-    """A read-only, seekable file over a buffer, without copying it (io.BytesIO would)."""
+class RangeFile(io.RawIOBase):
+    """A read-only, seekable file over ``read(offset, length) -> bytes-like`` and a size: what zipfile and
+    torch.load need from a file, for a buffer in memory, a byte range of a local file or an object."""
 
-    def __init__(self, buffer):
+    def __init__(self, read: Callable[[int, int], Any], size: int):
         super().__init__()
-        self._view = memoryview(buffer).cast("B")
-        self._pos = 0
+        self._read, self._size, self._pos = read, size, 0
 
     def readable(self) -> bool:
         return True
@@ -220,15 +220,22 @@ class ViewReader(io.RawIOBase):
         return self._pos
 
     def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: len(self._view)}[whence]
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
         self._pos = max(0, base + offset)
         return self._pos
 
     def readinto(self, out) -> int:
-        n = max(0, min(len(out), len(self._view) - self._pos))
-        out[:n] = self._view[self._pos:self._pos + n]
-        self._pos += n
-        return n
+        n = max(0, min(len(out), self._size - self._pos))
+        data = self._read(self._pos, n) if n else b""
+        memoryview(out).cast("B")[:len(data)] = data
+        self._pos += len(data)
+        return len(data)
+
+
+def ViewReader(buffer) -> RangeFile:  # noqa: N802 - reads like the class it used to be
+    """A RangeFile over a buffer, without copying it (io.BytesIO would)."""
+    view = memoryview(buffer).cast("B")
+    return RangeFile(lambda offset, n: view[offset:offset + n], len(view))
 
 
 def loads_pickle(data: bytes, **kw) -> Any:
