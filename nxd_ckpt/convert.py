@@ -215,6 +215,10 @@ def _read_source_tag(args, flag: str, example: str) -> Tuple[str, str, FullState
 
 def reshard(args) -> ConvertSummary:
     t0 = time.monotonic()
+    if args.ep != 1:
+        raise CheckpointArgumentError(
+            f"--ep {args.ep}: reshard writes expert-parallel tags only at EP=1 so far; pass --ep 1 (experts joined), "
+            f"or load the checkpoint with load_checkpoint in a job at EP={args.ep}: it reshards at load time")
     return_freed_memory()
     src, dst, state = _read_source_tag(args, "DST_TAG", "ckpts/step_1000_tp4")
     before = _source_sizes(state, src)
@@ -306,6 +310,9 @@ def _state_args(p, src: str, src_help: str, dst: str, dst_help: str, *, tag_out:
 def add_reshard(p) -> None:
     _state_args(p, "SRC_TAG", "the tag to reshard (never modified)", "DST_TAG", "the new tag directory",
                 tag_out=True, preset=False)
+    p.add_argument("--ep", type=int, default=1, metavar="E",
+                   help="expert parallel size of the new tag: 1 (the default; an expert-parallel source has its "
+                        "experts joined). Writing EP > 1 offline is not supported yet")
 
 
 def add_to_dcp(p) -> None:

@@ -265,10 +265,8 @@ def plan_export(tagdir, partitions: Sequence[Tuple[str, int, int]] = (), dtype: 
     reader = FileReader.at(st, manifest, trusted)
     names = layout.list_shard_files(st, layout.MODEL_DIR)
     if any(s.ep is not None for s in names):
-        raise ExportError(f"{folder} holds expert-parallel shards (ep_rank in the names); the offline tools (export, "
-                          "reshard, to-dcp) do not convert them yet. To change its EP, TP, PP or DP sizes, load it with "
-                          "load_checkpoint in a job of the new sizes: it reshards expert-parallel checkpoints at load "
-                          "time")
+        raise ExportError(f"{folder} holds expert-parallel shards (ep_rank in the names), which plan_export does not "
+                          "join; read the tag with fullstate.read_tag (as export_model does), which joins the experts")
     names = {s: n for s, n in names.items() if s.dp == 0}
     if not names:
         raise ExportError(f"{folder} holds no model shard files (dp_rank_00_tp_rank_TT_pp_rank_PP.pt)")

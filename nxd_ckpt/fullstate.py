@@ -7,7 +7,7 @@ content. Nothing is read until a sink calls ``load()``, one tensor at a time, so
 full tensor (and its pieces) in memory.
 
 Sources: ``read_tag`` (an NxD / nxd-ckpt tag: TP shards joined by their partition attributes, PP stages
-merged, ZeRO-1 pieces joined over DP) here; ``convert.read_hf`` and ``dcpio.read_dcp`` elsewhere.
+merged, ZeRO-1 pieces joined over DP; an expert-parallel tag through ``fullstate_ep``) here; ``convert.read_hf`` and ``dcpio.read_dcp`` elsewhere.
 Sinks: ``tagwrite.write_tag``, ``dcpio.write_dcp``, ``export`` (Hugging Face safetensors).
 """
 from __future__ import annotations
@@ -154,6 +154,13 @@ def read_tag(tagdir, *, partitions: Sequence[str] = (), trusted: bool = False, o
     manifest = read_manifest(st)
     reader = FileReader.at(st, manifest, trusted)
     rules = [parse_partition(p) for p in partitions]
+    from . import fullstate_ep
+
+    if fullstate_ep.is_ep_tag(st):
+        state = fullstate_ep.read_ep_tag(st, manifest, reader, rules, optimizer)
+        state.scheduler = _small(reader, layout.SCHEDULER_FILE)
+        state.user_content = _small(reader, layout.USER_CONTENT_FILE)
+        return state
     outs, shards, skipped = plan_export(st, rules, None, trusted)
     model = [TensorSource(o.key, tuple(o.shape), o.src_dtype, _recorded_partition(o, rules),
                           lambda o=o: _materialise(o, shards)) for o in outs]
@@ -211,10 +218,6 @@ def _read_optim(reader: FileReader, model: Dict[str, TensorSource],
         return zero1_dcp_full.read_optim(reader, model, stage_keys)
     if not names:
         raise ConversionError(f"{folder} holds no optimizer files; pass --no-optimizer to convert the model only")
-    if any(s.ep is not None for s in names):
-        raise ConversionError(f"{folder} holds expert-parallel optimizer files, which the offline tools do not convert "
-                              "yet; load_checkpoint in a job of the new sizes reshards them at load time (or pass "
-                              "--no-optimizer)")
     xser_folder = layout.folder_is_xser(reader.storage, layout.OPTIM_DIR)
     files: Dict[Tuple[int, int, int], _OptimFile] = {}
     for s, n in names.items():

@@ -259,12 +259,3 @@ def test_ep_reshard_refusals_say_why(saved, match):
     if "cp" not in saved:     # the model alone reshards
         check_reshardable("t", saved, world, has_model=True, loading_optim=False)
 
-
-def test_offline_reshard_of_an_ep_checkpoint_points_to_load_time_resharding(ep2_adam, tmp_path, capsys):
-    from nxd_ckpt.cli import main
-
-    out = tmp_path / "out"
-    assert main(["reshard", os.path.join(ep2_adam, "adam"), str(out), "--tp", "1"]) == 1
-    err = capsys.readouterr().err
-    assert "expert-parallel shards" in err and "reshard" in err and "load_checkpoint in a job of the new sizes" in err
-    assert not out.exists()

@@ -1,0 +1,142 @@
+"""The offline tools on expert-parallel tags: the tiny MoE of test_reshard_ep.py saved once at EP=2 x DP=4 (4 ranks;
+NxD's EP ZeRO-1 optimizer in xser, and a plain Adam without xser). to-dcp gives the full model state (the same step
+taken on the whole model in one process) bit for bit, parameters and both Adam moments; from-dcp and
+`reshard --ep 1` give back tags holding those tensors, which load at EP=1 bit-exact; export joins the experts."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from harness import run_ranks
+from test_reshard_ep import LR, _bits, _check_adam, _coords, _MoE, _reference, _zero1_opt
+
+from nxd_ckpt.cli import main
+
+
+def _save_both(rank, world, root):
+    import nxd_ckpt
+    import parallel_state as ps
+
+    ps.initialize_model_parallel(expert_model_parallel_size=2)          # TP=1, DP=4, EDP=2
+    coords = _coords(ps)
+    model = _MoE(*coords)
+    opt = _zero1_opt(ps, model)
+    model.step(opt, *coords)
+    nxd_ckpt.save_checkpoint(root, "zero1", model=model, optimizer=opt, zero1_optimizer=True, use_xser=True)
+    model = _MoE(*coords)
+    adam = torch.optim.Adam(model.parameters(), lr=LR)
+    model.step(adam, *coords)
+    nxd_ckpt.save_checkpoint(root, "adam", model=model, optimizer=adam, use_xser=False)
+    nxd_ckpt.finalize_checkpoint()
+    return True
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("ep2") / "ckpt")
+    assert run_ranks(_save_both, 4, root, timeout=300) == [True] * 4
+    return root, _reference()
+
+
+def _check_full_state(state, ref, where):
+    """A FullState's parameters and Adam moments equal the whole-model reference bit for bit."""
+    params, moments = ref
+    assert state.names() == list(params), where
+    for t in state.model:
+        _bits(t.checked(), params[t.name], f"{where} {t.name}")
+    assert set(state.optim.params) == set(params)
+    for k, (avg, sq) in moments.items():
+        ps = state.optim.params[k]
+        _bits(ps.moments["exp_avg"].checked(), avg, f"{where} {k} exp_avg")
+        _bits(ps.moments["exp_avg_sq"].checked(), sq, f"{where} {k} exp_avg_sq")
+        assert float(ps.step) == 1.0
+    assert [names for _, names in state.optim.groups] == [list(params)]
+
+
+@pytest.mark.parametrize("kind", ["zero1", "adam"])
+def test_read_tag_of_an_ep_tag_is_the_full_state(saved, kind):
+    from nxd_ckpt.fullstate import read_tag
+
+    root, ref = saved
+    _check_full_state(read_tag(os.path.join(root, kind)), ref[kind], f"read_tag {kind}")
+
+
+@pytest.mark.parametrize("kind", ["zero1", "adam"])
+def test_to_dcp_of_an_ep_tag_then_from_dcp_gives_the_full_state(saved, kind, tmp_path):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+
+    from nxd_ckpt.fullstate import read_tag
+
+    root, ref = saved
+    out = tmp_path / "dcp"
+    assert main(["to-dcp", os.path.join(root, kind), str(out)]) == 0
+    got = _load_state_dict_from_keys(storage_reader=dcp.FileSystemReader(str(out)))
+    params, moments = ref[kind]
+    for k, v in params.items():
+        _bits(got["model"][k], v, f"dcp model {k}")
+        _bits(got["optim"]["state"][k]["exp_avg"], moments[k][0], f"dcp {k} exp_avg")
+        _bits(got["optim"]["state"][k]["exp_avg_sq"], moments[k][1], f"dcp {k} exp_avg_sq")
+    back = tmp_path / "back"
+    assert main(["from-dcp", str(out), str(back), "--tp", "1", "--dp", "2", "--zero1"]) == 0
+    _check_full_state(read_tag(str(back)), ref[kind], f"from-dcp {kind}")
+
+
+def test_reshard_to_ep1_loads_at_ep1_bit_exact(saved, tmp_path):
+    import nxd_ckpt
+
+    root, ref = saved
+    dst = tmp_path / "ckpt" / "adam_ep1"
+    assert main(["reshard", os.path.join(root, "adam"), str(dst), "--ep", "1", "--dp", "1"]) == 0
+    assert sorted(os.listdir(dst / "optim")) == ["dp_rank_00_tp_rank_00_pp_rank_00.pt",
+                                                 "dp_rank_00_tp_rank_00_pp_rank_00.pt.info.pt",
+                                                 "dp_rank_00_tp_rank_00_pp_rank_00.pt.tensors"]
+    model = _MoE(1, 0, 1, 0, seed=5)
+    adam = torch.optim.Adam(model.parameters(), lr=LR)
+    nxd_ckpt.load_checkpoint(str(tmp_path / "ckpt"), "adam_ep1", model=model, optimizer=adam, reshard=False)
+    _check_adam((1, 0, 1, 0), model, adam, ref["adam"], "reshard --ep 1")
+
+
+def test_reshard_of_the_ep_zero1_tag_to_ep1(saved, tmp_path):
+    from nxd_ckpt.fullstate import read_tag
+
+    root, ref = saved
+    dst = tmp_path / "zero1_ep1"
+    assert main(["reshard", os.path.join(root, "zero1"), str(dst), "--ep", "1", "--dp", "2"]) == 0
+    names = sorted(n for n in os.listdir(dst / "optim") if n.endswith(".pt") and not n.endswith(".info.pt"))
+    assert names == [f"dp_rank_{d:02d}_tp_rank_00_pp_rank_00.pt" for d in range(2)]
+    _check_full_state(read_tag(str(dst)), ref["zero1"], "reshard zero1 --ep 1")
+
+
+def test_export_joins_the_experts(saved, tmp_path):
+    from safetensors.torch import load_file
+
+    root, ref = saved
+    out = tmp_path / "hf"
+    assert main(["export", os.path.join(root, "zero1"), "--output", str(out)]) == 0
+    got = load_file(str(out / "model.safetensors"))
+    assert set(got) == set(ref["zero1"][0])
+    for k, v in ref["zero1"][0].items():
+        _bits(got[k], v, f"export {k}")
+
+
+def test_reshard_to_ep_above_1_is_refused_before_reading(saved, tmp_path, capsys):
+    root, _ = saved
+    out = tmp_path / "out"
+    assert main(["reshard", os.path.join(root, "adam"), str(out), "--ep", "2"]) == 1
+    err = capsys.readouterr().err
+    assert "--ep 2" in err and "pass --ep 1" in err and "load_checkpoint in a job at EP=2" in err
+    assert not out.exists()
+
+
+def test_an_ep_tag_that_marks_no_expert_is_refused(saved, tmp_path, monkeypatch, capsys):
+    from nxd_ckpt.reshard_load import SourceShard
+
+    root, _ = saved
+    monkeypatch.setattr(SourceShard, "expert", lambda self, obj, key=None: False)   # as NxD's .info.pt records it
+    out = tmp_path / "dcp"
+    assert main(["to-dcp", os.path.join(root, "adam"), str(out)]) == 1
+    err = capsys.readouterr().err
+    assert "2 expert-parallel shards but marks no tensor expert_model_parallel" in err
+    assert not out.exists()
