@@ -27,7 +27,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import io
-import os
 import warnings
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -310,7 +309,7 @@ def write_dcp(state: FullState, dst: str, layout_kind: str = "plain", *, progres
                 dcp.save(sd, storage_writer=writer, planner=_streaming_planner(loaders, bar), no_dist=True)
         except CheckpointException as exc:
             raise _first_cause(exc) from None
-        _seal(store, os.path.basename(dst.rstrip("/")), writer.records, layout_kind, state, source)
+        _seal(store, dst.rstrip("/").rsplit("/", 1)[-1], writer.records, layout_kind, state, source)
     files = sorted(writer.records)
     total = sum(r.size for r in writer.records.values())
     return DcpResult(dst, layout_kind, len(state.model), state.optim is not None, total, files)
