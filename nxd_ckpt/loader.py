@@ -63,7 +63,7 @@ def _check_unmarked(storage: Storage, tag: str) -> None:
             f"checkpoint {tag!r} in {storage.root} has a 'checkpoint' marker but no 'done' marker: its save began "
             f"and never finished (interrupted), so its files may be partial. Complete checkpoints: "
             f"{available or 'none'}; pass one of them or tag=None for the newest")
-    if storage.isdir(tag) and _holds_checkpoint_data(storage, tag):
+    if storage.isdir(tag) and layout.holds_checkpoint_data(storage.child(tag)):
         log.info("nxd_ckpt: checkpoint %s in %s has no 'done' marker and no 'checkpoint' marker (written by a "
                  "converter, not by a save); loading it as given", tag, storage.root)
         return
@@ -73,18 +73,6 @@ def _check_unmarked(storage: Storage, tag: str) -> None:
             f"user_content.pt). Complete checkpoints, newest first: {available or 'none'}")
     raise CheckpointNotFoundError(
         f"no checkpoint {tag!r} in {storage.root}. Complete checkpoints, newest first: {available or 'none'}")
-
-
-def _holds_checkpoint_data(storage: Storage, tag: str) -> bool:
-    """``layout.holds_checkpoint_data`` through the storage (object stores have no local path)."""
-    local = storage.local_path(tag)
-    if local is not None:
-        return layout.holds_checkpoint_data(local)
-    names = set(storage.listdir(tag))
-    if {layout.SCHEDULER_FILE, layout.USER_CONTENT_FILE} & names:
-        return True
-    return any(layout.parse_shard_filename(n) for d in (layout.MODEL_DIR, layout.OPTIM_DIR)
-               for n in storage.listdir(f"{tag}/{d}"))
 
 
 # --- topology ------------------------------------------------------------------------------------
@@ -98,8 +86,7 @@ def saved_topology(storage: Storage, tag: str, manifest: Optional[manifest_mod.M
         t["from_masters"] = bool(manifest.extra.get(masters.FLAG, False))
         t["legacy_ep"] = manifest_mod.legacy_ep_folders(manifest)
     else:
-        local = storage.local_path(tag)
-        t["from_masters"] = bool(local) and layout.model_data_absent(local)
+        t["from_masters"] = layout.model_data_absent(storage.child(tag))
     return t
 
 

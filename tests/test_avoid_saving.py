@@ -12,7 +12,7 @@ import torch
 import nxd_ckpt
 from harness import run_ranks
 from nxd_ckpt.cli import main as cli_main
-from test_cli_fixtures import write_tag, zero1_states
+from test_cli_fixtures import upload, write_tag, zero1_states
 from tiny_models import TinyShard, all_files, assert_bit_equal, to_cpu_state, train_steps
 
 
@@ -108,6 +108,19 @@ def test_nxd_avoid_saving_checkpoint_loads_the_model_from_master_weights(tmp_pat
     from safetensors.torch import load_file
 
     assert_bit_equal(model, load_file(str(out / "model.safetensors")), "export")
+
+
+def test_nxd_avoid_saving_checkpoint_on_an_object_store_loads_from_master_weights(tmp_path):
+    """No manifest on an object store either: the layout is recognized through Storage listings alone."""
+    from nxd_ckpt.storage.testing import enable_test_schemes
+
+    enable_test_schemes()
+    _nxd_avoid_tag(str(tmp_path / "local"))
+    url = upload(str(tmp_path / "local"), f"objdir://{tmp_path}/bucket//ckpt")
+    target = {"w": torch.zeros(5, 3, dtype=torch.bfloat16), "b": torch.zeros(3, dtype=torch.bfloat16)}
+    nxd_ckpt.load_checkpoint(url, "nxd", model=target)
+    _, model = _nxd_avoid_tag(str(tmp_path / "again"))      # the same seed: the same weights
+    assert_bit_equal(model, target, "model")
 
 
 def test_nxd_avoid_saving_without_masters_is_damage(tmp_path):
