@@ -10,7 +10,7 @@ import json
 import re
 import struct
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -215,14 +215,11 @@ def _read_source_tag(args, flag: str, example: str) -> Tuple[str, str, FullState
 
 def reshard(args) -> ConvertSummary:
     t0 = time.monotonic()
-    if args.ep != 1:
-        raise CheckpointArgumentError(
-            f"--ep {args.ep}: reshard writes expert-parallel tags only at EP=1 so far; pass --ep 1 (experts joined), "
-            f"or load the checkpoint with load_checkpoint in a job at EP={args.ep}: it reshards at load time")
     return_freed_memory()
     src, dst, state = _read_source_tag(args, "DST_TAG", "ckpts/step_1000_tp4")
     before = _source_sizes(state, src)
     sizes = _sizes(args, TagSizes(before.tp, before.pp, before.dp, before.zero1 and state.optim is not None))
+    sizes = replace(sizes, ep=args.ep)
     plan_check(state, sizes)
     res = write_tag(state, dst, sizes, converted_from={"path": src, "tp": before.tp, "pp": before.pp, "dp": before.dp})
     return _finish("reshard", dst, t0, res)
@@ -311,8 +308,9 @@ def add_reshard(p) -> None:
     _state_args(p, "SRC_TAG", "the tag to reshard (never modified)", "DST_TAG", "the new tag directory",
                 tag_out=True, preset=False)
     p.add_argument("--ep", type=int, default=1, metavar="E",
-                   help="expert parallel size of the new tag: 1 (the default; an expert-parallel source has its "
-                        "experts joined). Writing EP > 1 offline is not supported yet")
+                   help="expert parallel size of the new tag (default 1: an expert-parallel source has its experts "
+                        "joined); E > 1 splits the source's expert tensors over E ranks in NxD's layout (a plain "
+                        "optimizer state only: pass --no-zero1)")
 
 
 def add_to_dcp(p) -> None:

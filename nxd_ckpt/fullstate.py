@@ -87,6 +87,7 @@ class FullState:
     model_dtypes: Dict[str, torch.dtype] = field(default_factory=dict)   # when ``model`` holds master weights
     topology: dict = field(default_factory=dict)                         # the source's, when known
     skipped: List[str] = field(default_factory=list)                     # non-tensor model entries left out
+    experts: frozenset = frozenset()                                     # names of expert tensors (EP sources)
 
     def names(self) -> List[str]:
         return [t.name for t in self.model]

@@ -50,7 +50,8 @@ def read_ep_tag(st, manifest, reader: FileReader, rules, optimizer: bool) -> Ful
         state.model.append(TensorSource(key, shape, _dtype_of(first, obj), part, _loader(
             key, src_shape, part, shape, src, full, expert,
             lambda e, r, key=key, p=p, expert=expert: _model_tensor(src, key, p, e if expert else 0, r))))
-    if not any(expert for _, _, _, expert in info.values()):
+    state.experts = frozenset(k for k, (_, _, _, expert) in info.items() if expert)
+    if not state.experts:
         raise ConversionError(
             f"{reader.where(layout.MODEL_DIR)} holds {src.sizes.ep} expert-parallel shards but marks no tensor "
             "expert_model_parallel (neuronx-distributed's own .info.pt files mark none), so the offline tools cannot "

@@ -25,7 +25,7 @@ from . import manifest as manifest_mod
 from .errors import CheckpointArgumentError
 from .fullstate import ConversionError, FullState, ParamState
 from .outdir import output_tag, progress_bar
-from .partition import assign_stages, split_tp, tp_shard_shape, zero1_shard
+from .partition import EXPERTS, assign_stages, split_tp, tp_shard_shape, zero1_shard
 from .storage import FileRecord, Storage
 
 
@@ -35,15 +35,26 @@ class TagSizes:
     pp: int = 1
     dp: int = 1
     zero1: bool = False
+    ep: int = 1
 
     def check(self) -> None:
-        for flag, v in (("--tp", self.tp), ("--pp", self.pp), ("--dp", self.dp)):
+        for flag, v in (("--tp", self.tp), ("--pp", self.pp), ("--dp", self.dp), ("--ep", self.ep)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise CheckpointArgumentError(f"{flag} must be a positive integer, got {v!r}")
+        if self.dp % self.ep:
+            raise CheckpointArgumentError(f"--ep {self.ep} does not divide --dp {self.dp}: expert parallelism splits "
+                                          "the data-parallel ranks; pass a --dp that is a multiple of --ep")
+        if self.ep > 1 and self.zero1:
+            raise CheckpointArgumentError(f"--ep {self.ep} with a ZeRO-1 optimizer: writing NxD's expert-parallel "
+                                          "ZeRO-1 state offline is not supported yet; pass --no-zero1 (a plain "
+                                          "optimizer state) or --no-optimizer, or load at that EP with load_checkpoint")
+
+    def ep_field(self, e: int) -> Optional[int]:
+        return e if self.ep > 1 else None     # NxD's names carry an ep field only under expert parallelism
 
     def topology(self) -> dict:
         return {"world_size": self.tp * self.pp * self.dp, "tp": self.tp, "pp": self.pp, "dp": self.dp, "cp": 1,
-                "ep": 1}
+                "ep": self.ep}
 
 
 @dataclass
@@ -85,9 +96,12 @@ class _Writer:
         self.tensors: Dict[str, Dict[str, dict]] = {}
         self.bar = bar
 
-    def tensor(self, f: _File, ref, t: torch.Tensor) -> None:
-        rel = layout.tensor_path(f.rel, ref.tid)
-        self.records[rel] = self.store.write_file(rel, lambda fo: xser.write_tensor(t, fo), durable=False)
+    def tensor(self, f: _File, ref, t: torch.Tensor, write: bool = True) -> None:
+        """``write`` False: only the metadata (a non-expert tensor of an ``ep_rank`` > 0 file, whose data NxD keeps
+        in ``ep_rank_00``'s folder: layout.tensor_home)."""
+        if write:
+            rel = layout.tensor_path(f.rel, ref.tid)
+            self.records[rel] = self.store.write_file(rel, lambda fo: xser.write_tensor(t, fo), durable=False)
         f.meta[ref.tid].update(dtype=str(t.dtype).replace("torch.", ""), shape=list(t.shape))
 
     def small(self, rel: str, produce) -> None:
@@ -95,7 +109,7 @@ class _Writer:
 
     def ref_file(self, f: _File) -> None:
         info = {tid: {"dtype": getattr(torch, m["dtype"]), "shape": torch.Size(m["shape"]),
-                      "expert_model_parallel": False,
+                      "expert_model_parallel": bool(m.get("expert_model_parallel")),
                       **{k: m[k] for k in ("tensor_model_parallel", "partition_dim", "partition_stride") if k in m}}
                 for tid, m in sorted(f.meta.items())}
         self.small(layout.info_path(f.rel), lambda fo: torch.save(info, fo))
@@ -112,6 +126,11 @@ def plan_check(state: FullState, sizes: TagSizes) -> Dict[str, int]:
     sizes.check()
     for t in state.model:
         tp_shard_shape(t.shape, t.partition, sizes.tp, t.name)
+        if sizes.ep > 1 and t.name in state.experts:
+            tp_shard_shape(t.shape, EXPERTS, sizes.ep, t.name)    # its experts split into EP equal runs
+    if sizes.ep > 1 and not state.experts:
+        raise ConversionError(f"--ep {sizes.ep}: the source marks no tensor as an expert (expert_model_parallel), so "
+                              "there is nothing to split over EP; pass --ep 1")
     if sizes.zero1 and state.optim is None:
         raise ConversionError("--zero1 asks for a ZeRO-1 optimizer state but the source holds no optimizer state; "
                               "drop --zero1 (the tag then has the model only)")
@@ -150,22 +169,31 @@ def write_tag(state: FullState, dst: str, sizes: TagSizes, *, converted_from: di
 
 def _skeletons(state: FullState, sizes: TagSizes, stages: Dict[str, int]):
     """The ref data of every model and optimizer file, with a TensorReference per tensor to write."""
-    models: Dict[Tuple[int, int], _File] = {}
-    optims: Dict[Tuple[int, int, int], _File] = {}
+    models: Dict[Tuple[int, int, int], _File] = {}     # (tp, pp, ep)
+    optims: Dict[Tuple[int, int, int, int], _File] = {}   # (tp, pp, dp, ep)
     for p in range(sizes.pp):
         names = [t for t in state.model if stages[t.name] == p]
         for r in range(sizes.tp):
-            f = _File(f"{layout.MODEL_DIR}/{layout.shard_filename(0, r, p)}", {})
-            for t in names:
-                f.data[t.name] = f.ref(t.name, t.partition.to_attrs() if t.partition else None)
-            models[(r, p)] = f
+            for e in range(sizes.ep):
+                f = _File(f"{layout.MODEL_DIR}/{layout.shard_filename(0, r, p, sizes.ep_field(e))}", {})
+                for t in names:   # the same keys in the same order in every EP rank's file: the same tids
+                    f.data[t.name] = f.ref(t.name, _attrs(state, t, sizes))
+                models[(r, p, e)] = f
         if state.optim is None:
             continue
         order = _packing_order(state, [t.name for t in names if t.name in state.optim.params])
         for r in range(sizes.tp):
             for d in range(sizes.dp if sizes.zero1 else 1):
-                optims[(r, p, d)] = _optim_file(state, order, sizes, r, p, d)
+                for e in range(sizes.ep):
+                    optims[(r, p, d, e)] = _optim_file(state, order, sizes, r, p, d, e)
     return models, optims
+
+
+def _attrs(state: FullState, t, sizes: TagSizes) -> Optional[dict]:
+    attrs = dict(t.partition.to_attrs()) if t.partition else {}
+    if sizes.ep > 1 and t.name in state.experts:
+        attrs["expert_model_parallel"] = True
+    return attrs or None
 
 
 def _packing_order(state: FullState, names: List[str]) -> List[str]:
@@ -189,12 +217,14 @@ def _groups(state: FullState, order: List[str]) -> List[dict]:
     return out
 
 
-def _optim_file(state: FullState, order: List[str], sizes: TagSizes, r: int, p: int, d: int) -> _File:
-    f = _File(f"{layout.OPTIM_DIR}/{layout.shard_filename(d, r, p)}", index={n: i for i, n in enumerate(order)})
+def _optim_file(state: FullState, order: List[str], sizes: TagSizes, r: int, p: int, d: int, e: int = 0) -> _File:
+    f = _File(f"{layout.OPTIM_DIR}/{layout.shard_filename(d, r, p, sizes.ep_field(e))}",
+              index={n: i for i, n in enumerate(order)})
     params = state.optim.params
     by_name = {t.name: t for t in state.model}
     if not sizes.zero1:
-        f.data = {"state": {i: _entry(f, params[n], f"state/{i}") for i, n in enumerate(order)},
+        expert = {n: _attrs(state, by_name[n], sizes) if n in state.experts else None for n in order}
+        f.data = {"state": {i: _entry(f, params[n], f"state/{i}", expert[n]) for i, n in enumerate(order)},
                   "param_groups": _groups(state, order)}
         return f
     f.data = {"state": {}, "param_groups": _groups(state, order),
@@ -205,12 +235,14 @@ def _optim_file(state: FullState, order: List[str], sizes: TagSizes, r: int, p: 
     return f
 
 
-def _entry(f: _File, ps: ParamState, path: str) -> dict:
+def _entry(f: _File, ps: ParamState, path: str, attrs: Optional[dict] = None) -> dict:
+    """``attrs``: an expert parameter's (its state tensors are marked expert, kept in each EP rank's folder)."""
+    mark = {"expert_model_parallel": True} if attrs and attrs.get("expert_model_parallel") else None
     out = {}
     if ps.step is not None:
-        out["step"] = f.ref(f"{path}/step") if isinstance(ps.step, torch.Tensor) else ps.step
+        out["step"] = f.ref(f"{path}/step", mark) if isinstance(ps.step, torch.Tensor) else ps.step
     for k in ps.moments:
-        out[k] = f.ref(f"{path}/{k}")
+        out[k] = f.ref(f"{path}/{k}", mark)
     return out
 
 
@@ -218,36 +250,50 @@ def _write_param(w: _Writer, state: FullState, t, sizes: TagSizes, p: int, model
     """Load one full model tensor and its optimizer state; write every shard and piece of them."""
     full = t.checked()
     out = full.to(state.model_dtypes[t.name]) if t.name in state.model_dtypes else full
+    expert = sizes.ep > 1 and t.name in state.experts
     for r in range(sizes.tp):
-        f = models[(r, p)]
-        w.tensor(f, f.data[t.name], split_tp(out, t.partition, sizes.tp, r, t.name))
+        for e in range(sizes.ep):
+            f = models[(r, p, e)]
+            w.tensor(f, f.data[t.name], _ep_tp_shard(out, t, sizes, r, e, expert), write=expert or e == 0)
     w.progress(t.nbytes)
     del out
     if state.optim is None or t.name not in state.optim.params:
         return
     ps = state.optim.params[t.name]
-    i = optims[(0, p, 0)].index[t.name]
+    i = optims[(0, p, 0, 0)].index[t.name]
     root = "base_state" if sizes.zero1 else "state"
     if sizes.zero1:
         master = ps.master.checked() if ps.master is not None else full
-        _write_pieces(w, optims, p, sizes, master.float(), t, lambda f: f.data["sharded_master_weights"][i])
+        _write_pieces(w, optims, p, sizes, master.float(), t, lambda f: f.data["sharded_master_weights"][i], state)
     del full
     for k, src in ps.moments.items():
-        _write_pieces(w, optims, p, sizes, src.checked(), t, lambda f, k=k: f.data[root][i][k])
+        _write_pieces(w, optims, p, sizes, src.checked(), t, lambda f, k=k: f.data[root][i][k], state)
         w.progress(src.nbytes)
     if isinstance(ps.step, torch.Tensor):
-        for (_r, fp, _d), f in optims.items():
+        expert = sizes.ep > 1 and t.name in state.experts
+        for (_r, fp, _d, e), f in optims.items():
             if fp == p:
-                w.tensor(f, f.data[root][i]["step"], ps.step)
+                w.tensor(f, f.data[root][i]["step"], ps.step, write=expert or e == 0)
 
 
-def _write_pieces(w: _Writer, optims, p: int, sizes: TagSizes, full: torch.Tensor, t, ref_of) -> None:
+def _ep_tp_shard(full: torch.Tensor, t, sizes: TagSizes, r: int, e: int, expert: bool) -> torch.Tensor:
+    """TP rank r's shard of EP rank e's part: an expert tensor's run of experts along dim 0 (partition.EXPERTS),
+    then split over TP."""
+    if expert:
+        full = split_tp(full, EXPERTS, sizes.ep, e, t.name)
+    return split_tp(full, t.partition, sizes.tp, r, t.name)
+
+
+def _write_pieces(w: _Writer, optims, p: int, sizes: TagSizes, full: torch.Tensor, t, ref_of,
+                  state: FullState) -> None:
+    expert = sizes.ep > 1 and t.name in state.experts
     for r in range(sizes.tp):
-        local = split_tp(full, t.partition, sizes.tp, r, t.name)
-        for d in range(sizes.dp if sizes.zero1 else 1):
-            f = optims[(r, p, d)]
-            piece = zero1_shard(local, d, sizes.dp) if sizes.zero1 else local
-            w.tensor(f, ref_of(f), piece)
+        for e in range(sizes.ep):
+            local = _ep_tp_shard(full, t, sizes, r, e, expert)
+            for d in range(sizes.dp if sizes.zero1 else 1):
+                f = optims[(r, p, d, e)]
+                piece = zero1_shard(local, d, sizes.dp) if sizes.zero1 else local
+                w.tensor(f, ref_of(f), piece, write=expert or e == 0)
 
 
 def _manifest(w: _Writer, tag: str, sizes: TagSizes, state: FullState, converted_from: dict,

@@ -1,7 +1,8 @@
 """The offline tools on expert-parallel tags: the tiny MoE of test_reshard_ep.py saved once at EP=2 x DP=4 (4 ranks;
 NxD's EP ZeRO-1 optimizer in xser, and a plain Adam without xser). to-dcp gives the full model state (the same step
 taken on the whole model in one process) bit for bit, parameters and both Adam moments; from-dcp and
-`reshard --ep 1` give back tags holding those tensors, which load at EP=1 bit-exact; export joins the experts."""
+`reshard --ep 1` give back tags holding those tensors, which load at EP=1 bit-exact; `reshard --ep 2` writes NxD's
+EP layout, which loads at EP=2 bit-exact; export joins the experts."""
 from __future__ import annotations
 
 import os
@@ -121,12 +122,39 @@ def test_export_joins_the_experts(saved, tmp_path):
         _bits(got[k], v, f"export {k}")
 
 
-def test_reshard_to_ep_above_1_is_refused_before_reading(saved, tmp_path, capsys):
+def _load_ep2(rank, world, root, tag):
+    import nxd_ckpt
+    import parallel_state as ps
+
+    ps.initialize_model_parallel(expert_model_parallel_size=2)          # TP=1, DP=2, EDP=1
+    coords = _coords(ps)
+    model = _MoE(*coords, seed=5)
+    adam = torch.optim.Adam(model.parameters(), lr=LR)
+    nxd_ckpt.load_checkpoint(root, tag, model=model, optimizer=adam, reshard=False)
+    _check_adam(coords, model, adam, _reference()["adam"], f"reshard --ep 2 rank {rank}")
+    return True
+
+
+def test_reshard_to_ep2_writes_nxd_ep_layout_that_loads_at_ep2(saved, tmp_path):
+    root, _ = saved
+    out = tmp_path / "ckpt"
+    assert main(["reshard", os.path.join(root, "adam"), str(out / "ep2"), "--ep", "2", "--dp", "2"]) == 0
+    model = out / "ep2" / "model"
+    names = sorted(n for n in os.listdir(model) if n.endswith(".pt") and not n.endswith(".info.pt"))
+    assert names == [f"dp_rank_00_ep_rank_{e:02d}_tp_rank_00_pp_rank_00.pt" for e in range(2)]
+    # NxD's rule: only ep_rank_00 holds the non-expert tensors (router, dense); each EP rank its experts (w, v)
+    assert len(os.listdir(model / f"{names[0]}.tensors")) == 4
+    assert len(os.listdir(model / f"{names[1]}.tensors")) == 2
+    assert main(["verify", str(out / "ep2")]) == 0
+    assert run_ranks(_load_ep2, 2, str(out), "ep2", timeout=120) == [True, True]
+
+
+def test_reshard_to_ep2_with_a_zero1_optimizer_is_refused(saved, tmp_path, capsys):
     root, _ = saved
     out = tmp_path / "out"
-    assert main(["reshard", os.path.join(root, "adam"), str(out), "--ep", "2"]) == 1
+    assert main(["reshard", os.path.join(root, "zero1"), str(out), "--ep", "2"]) == 1
     err = capsys.readouterr().err
-    assert "--ep 2" in err and "pass --ep 1" in err and "load_checkpoint in a job at EP=2" in err
+    assert "--ep 2 with a ZeRO-1 optimizer" in err and "--no-zero1" in err
     assert not out.exists()
 
 
