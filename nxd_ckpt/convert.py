@@ -309,8 +309,8 @@ def add_reshard(p) -> None:
                 tag_out=True, preset=False)
     p.add_argument("--ep", type=int, default=1, metavar="E",
                    help="expert parallel size of the new tag (default 1: an expert-parallel source has its experts "
-                        "joined); E > 1 splits the source's expert tensors over E ranks in NxD's layout (a plain "
-                        "optimizer state only: pass --no-zero1)")
+                        "joined); E > 1 splits the source's expert tensors over E ranks in NxD's layout (a ZeRO-1 "
+                        "optimizer as NxD's expert-parallel ZeRO-1 state)")
 
 
 def add_to_dcp(p) -> None:

@@ -1,4 +1,6 @@
-"""Sink: a FullState written as a complete NxD tag at given TP / PP / DP sizes (`import`, `reshard`, `from-dcp`).
+"""Sink: a FullState written as a complete NxD tag at given TP / PP / DP (/ EP) sizes (`import`, `reshard`,
+`from-dcp`). At EP > 1 (``reshard --ep``): NxD's expert-parallel names and layout (DESIGN 2.6), expert tensors
+(``FullState.experts``) split along dim 0 into EP runs, a ZeRO-1 state as NxD's expert-parallel ZeRO-1.
 
 The tag is in NxD's layout (DESIGN 2.1), xser format: ``model/dp_rank_00_tp_rank_TT_pp_rank_PP.pt`` per (tp, pp)
 with ``.info.pt`` (partition attributes included) and one tensor file per tensor; the optimizer as torch-xla's
@@ -25,7 +27,8 @@ from . import manifest as manifest_mod
 from .errors import CheckpointArgumentError
 from .fullstate import ConversionError, FullState, ParamState
 from .outdir import output_tag, progress_bar
-from .partition import EXPERTS, assign_stages, split_tp, tp_shard_shape, zero1_shard
+from .partition import (EP_BASE_OFFSET_KEY, EP_GROUP_OFFSET_KEY, EP_OFFSET_KEY, EP_SHAPE_OFFSET_KEY, EXPERTS,
+                        assign_stages, split_tp, tp_shard_shape, zero1_shard)
 from .storage import FileRecord, Storage
 
 
@@ -44,10 +47,11 @@ class TagSizes:
         if self.dp % self.ep:
             raise CheckpointArgumentError(f"--ep {self.ep} does not divide --dp {self.dp}: expert parallelism splits "
                                           "the data-parallel ranks; pass a --dp that is a multiple of --ep")
-        if self.ep > 1 and self.zero1:
-            raise CheckpointArgumentError(f"--ep {self.ep} with a ZeRO-1 optimizer: writing NxD's expert-parallel "
-                                          "ZeRO-1 state offline is not supported yet; pass --no-zero1 (a plain "
-                                          "optimizer state) or --no-optimizer, or load at that EP with load_checkpoint")
+
+    @property
+    def ep_zero1(self) -> bool:
+        """NxD's expert-parallel ZeRO-1 layout: files by full DP rank, experts' pieces over expert-DP."""
+        return self.zero1 and self.ep > 1
 
     def ep_field(self, e: int) -> Optional[int]:
         return e if self.ep > 1 else None     # NxD's names carry an ep field only under expert parallelism
@@ -184,7 +188,7 @@ def _skeletons(state: FullState, sizes: TagSizes, stages: Dict[str, int]):
         order = _packing_order(state, [t.name for t in names if t.name in state.optim.params])
         for r in range(sizes.tp):
             for d in range(sizes.dp if sizes.zero1 else 1):
-                for e in range(sizes.ep):
+                for e in range(1 if sizes.zero1 else sizes.ep):   # ZeRO-1 files are named by the full DP rank
                     optims[(r, p, d, e)] = _optim_file(state, order, sizes, r, p, d, e)
     return models, optims
 
@@ -218,10 +222,13 @@ def _groups(state: FullState, order: List[str]) -> List[dict]:
 
 
 def _optim_file(state: FullState, order: List[str], sizes: TagSizes, r: int, p: int, d: int, e: int = 0) -> _File:
-    f = _File(f"{layout.OPTIM_DIR}/{layout.shard_filename(d, r, p, sizes.ep_field(e))}",
+    ep = None if sizes.zero1 else sizes.ep_field(e)      # ZeRO-1 files: named by the full DP rank (NxD)
+    f = _File(f"{layout.OPTIM_DIR}/{layout.shard_filename(d, r, p, ep)}",
               index={n: i for i, n in enumerate(order)})
     params = state.optim.params
     by_name = {t.name: t for t in state.model}
+    if sizes.ep_zero1:
+        return _ep_zero1_file(f, state, order, sizes, by_name)
     if not sizes.zero1:
         expert = {n: _attrs(state, by_name[n], sizes) if n in state.experts else None for n in order}
         f.data = {"state": {i: _entry(f, params[n], f"state/{i}", expert[n]) for i, n in enumerate(order)},
@@ -232,6 +239,30 @@ def _optim_file(state: FullState, order: List[str], sizes: TagSizes, r: int, p: 
               "shape_info": {i: torch.Size(tp_shard_shape(by_name[n].shape, by_name[n].partition, sizes.tp, n))
                              for i, n in enumerate(order)},
               "sharded_master_weights": {i: f.ref(f"sharded_master_weights/{i}") for i in range(len(order))}}
+    return f
+
+
+def _ep_zero1_file(f: _File, state: FullState, order: List[str], sizes: TagSizes, by_name) -> _File:
+    """NxD's NeuronEPZero1Optimizer state: the non-expert parameters numbered first, the experts from
+    ``ep_base_state_offset`` on (their param groups after ``ep_param_group_offset``, numbered from 0 again), no
+    master weights (NxD's EP state has none: loading re-shards them from the parameters)."""
+    others = [n for n in order if n not in state.experts]
+    experts = [n for n in order if n in state.experts]
+    base = len(others) or 1          # NxD's offset: max index + 1, 1 for an empty dict
+    f.index = {**{n: i for i, n in enumerate(others)}, **{n: base + i for i, n in enumerate(experts)}}
+    params = state.optim.params
+
+    def local_shape(n):
+        shape = by_name[n].shape
+        if n in state.experts:
+            shape = tp_shard_shape(shape, EXPERTS, sizes.ep, n)
+        return torch.Size(tp_shard_shape(shape, by_name[n].partition, sizes.tp, n))
+
+    f.data = {EP_OFFSET_KEY: 1, EP_GROUP_OFFSET_KEY: len(_groups(state, others)) if others else 0,
+              EP_BASE_OFFSET_KEY: base, EP_SHAPE_OFFSET_KEY: base, "state": {},
+              "param_groups": (_groups(state, others) if others else []) + (_groups(state, experts) if experts else []),
+              "base_state": {f.index[n]: _entry(f, params[n], f"base_state/{f.index[n]}") for n in order},
+              "shape_info": {f.index[n]: local_shape(n) for n in order}}
     return f
 
 
@@ -262,7 +293,7 @@ def _write_param(w: _Writer, state: FullState, t, sizes: TagSizes, p: int, model
     ps = state.optim.params[t.name]
     i = optims[(0, p, 0, 0)].index[t.name]
     root = "base_state" if sizes.zero1 else "state"
-    if sizes.zero1:
+    if sizes.zero1 and not sizes.ep_zero1:
         master = ps.master.checked() if ps.master is not None else full
         _write_pieces(w, optims, p, sizes, master.float(), t, lambda f: f.data["sharded_master_weights"][i], state)
     del full
@@ -290,10 +321,28 @@ def _write_pieces(w: _Writer, optims, p: int, sizes: TagSizes, full: torch.Tenso
     for r in range(sizes.tp):
         for e in range(sizes.ep):
             local = _ep_tp_shard(full, t, sizes, r, e, expert)
+            if sizes.ep_zero1:
+                _write_ep_zero1_pieces(w, optims, p, sizes, local, r, e, expert, ref_of)
+                continue
             for d in range(sizes.dp if sizes.zero1 else 1):
                 f = optims[(r, p, d, e)]
                 piece = zero1_shard(local, d, sizes.dp) if sizes.zero1 else local
                 w.tensor(f, ref_of(f), piece, write=expert or e == 0)
+
+
+def _write_ep_zero1_pieces(w: _Writer, optims, p: int, sizes: TagSizes, local: torch.Tensor, r: int, e: int,
+                           expert: bool, ref_of) -> None:
+    """EP rank e's local tensor into the ZeRO-1 files: a non-expert one (e = 0) over DP; an expert one over its
+    expert-DP group, DP rank d = x * EP + e holding piece x (NxD's row-major grid)."""
+    if not expert:
+        if e == 0:
+            for d in range(sizes.dp):
+                w.tensor(optims[(r, p, d, 0)], ref_of(optims[(r, p, d, 0)]), zero1_shard(local, d, sizes.dp))
+        return
+    edp = sizes.dp // sizes.ep
+    for x in range(edp):
+        f = optims[(r, p, x * sizes.ep + e, 0)]
+        w.tensor(f, ref_of(f), zero1_shard(local, x, edp))
 
 
 def _manifest(w: _Writer, tag: str, sizes: TagSizes, state: FullState, converted_from: dict,

@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 from harness import run_ranks
-from test_reshard_ep import LR, _bits, _check_adam, _coords, _MoE, _reference, _zero1_opt
+from test_reshard_ep import LR, _bits, _check_adam, _check_zero1, _coords, _MoE, _reference, _zero1_opt
 
 from nxd_ckpt.cli import main
 
@@ -122,40 +122,41 @@ def test_export_joins_the_experts(saved, tmp_path):
         _bits(got[k], v, f"export {k}")
 
 
-def _load_ep2(rank, world, root, tag):
+def _load_ep2(rank, world, root):
     import nxd_ckpt
     import parallel_state as ps
 
     ps.initialize_model_parallel(expert_model_parallel_size=2)          # TP=1, DP=2, EDP=1
     coords = _coords(ps)
+    ref = _reference()
     model = _MoE(*coords, seed=5)
     adam = torch.optim.Adam(model.parameters(), lr=LR)
-    nxd_ckpt.load_checkpoint(root, tag, model=model, optimizer=adam, reshard=False)
-    _check_adam(coords, model, adam, _reference()["adam"], f"reshard --ep 2 rank {rank}")
+    nxd_ckpt.load_checkpoint(root, "adam_ep2", model=model, optimizer=adam, reshard=False)
+    _check_adam(coords, model, adam, ref["adam"], f"reshard --ep 2 rank {rank}")
+    model = _MoE(*coords, seed=5)
+    opt = _zero1_opt(ps, model)
+    nxd_ckpt.load_checkpoint(root, "zero1_ep2", model=model, optimizer=opt, reshard=False)
+    _check_zero1(ps, model, opt, ref["zero1"], f"reshard zero1 --ep 2 rank {rank}")
     return True
 
 
 def test_reshard_to_ep2_writes_nxd_ep_layout_that_loads_at_ep2(saved, tmp_path):
+    """A plain Adam tag and an EP ZeRO-1 tag (EP=2 x DP=4) resharded to EP=2 x DP=2 in NxD's EP layout load there
+    with reshard=False (each rank reads the files its own ranks name), bit for bit."""
     root, _ = saved
     out = tmp_path / "ckpt"
-    assert main(["reshard", os.path.join(root, "adam"), str(out / "ep2"), "--ep", "2", "--dp", "2"]) == 0
-    model = out / "ep2" / "model"
+    for kind in ("adam", "zero1"):
+        assert main(["reshard", os.path.join(root, kind), str(out / f"{kind}_ep2"), "--ep", "2", "--dp", "2"]) == 0
+        assert main(["verify", str(out / f"{kind}_ep2")]) == 0
+    model = out / "adam_ep2" / "model"
     names = sorted(n for n in os.listdir(model) if n.endswith(".pt") and not n.endswith(".info.pt"))
     assert names == [f"dp_rank_00_ep_rank_{e:02d}_tp_rank_00_pp_rank_00.pt" for e in range(2)]
     # NxD's rule: only ep_rank_00 holds the non-expert tensors (router, dense); each EP rank its experts (w, v)
     assert len(os.listdir(model / f"{names[0]}.tensors")) == 4
     assert len(os.listdir(model / f"{names[1]}.tensors")) == 2
-    assert main(["verify", str(out / "ep2")]) == 0
-    assert run_ranks(_load_ep2, 2, str(out), "ep2", timeout=120) == [True, True]
-
-
-def test_reshard_to_ep2_with_a_zero1_optimizer_is_refused(saved, tmp_path, capsys):
-    root, _ = saved
-    out = tmp_path / "out"
-    assert main(["reshard", os.path.join(root, "zero1"), str(out), "--ep", "2"]) == 1
-    err = capsys.readouterr().err
-    assert "--ep 2 with a ZeRO-1 optimizer" in err and "--no-zero1" in err
-    assert not out.exists()
+    optim = sorted(n for n in os.listdir(out / "zero1_ep2" / "optim") if n.endswith(".pt") and ".info" not in n)
+    assert optim == [f"dp_rank_{d:02d}_tp_rank_00_pp_rank_00.pt" for d in range(2)]
+    assert run_ranks(_load_ep2, 2, str(out), timeout=180) == [True, True]
 
 
 def test_an_ep_tag_that_marks_no_expert_is_refused(saved, tmp_path, monkeypatch, capsys):
