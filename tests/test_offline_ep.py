@@ -169,3 +169,16 @@ def test_an_ep_tag_that_marks_no_expert_is_refused(saved, tmp_path, monkeypatch,
     err = capsys.readouterr().err
     assert "2 expert-parallel shards but marks no tensor expert_model_parallel" in err
     assert not out.exists()
+
+
+@pytest.mark.parametrize("kind", ["zero1", "adam"])
+def test_reshard_to_tp2_ep2_and_read_back(saved, kind, tmp_path):
+    """Experts split over TP (dims 2 and 1) and EP at once: written by reshard --tp 2 --ep 2, joined back by read_tag."""
+    from nxd_ckpt.fullstate import read_tag
+
+    root, ref = saved
+    dst = tmp_path / "tp2ep2"
+    assert main(["reshard", os.path.join(root, kind), str(dst), "--tp", "2", "--ep", "2", "--dp", "2"]) == 0
+    names = sorted(n for n in os.listdir(dst / "model") if n.endswith(".pt") and ".info" not in n)
+    assert names == [f"dp_rank_00_ep_rank_{e:02d}_tp_rank_{t:02d}_pp_rank_00.pt" for e in range(2) for t in range(2)]
+    _check_full_state(read_tag(str(dst)), ref[kind], f"reshard {kind} --tp 2 --ep 2")
