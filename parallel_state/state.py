@@ -2,7 +2,9 @@
 
 ``initialize_model_parallel`` creates a torch.distributed group for every tensor-, data-, pipeline-, context-,
 expert- and expert-data-parallel group (every rank calls ``new_group`` for every group, in the same order),
-plus host-side gloo groups for checkpoint coordination that never issue XLA collectives.
+plus gloo groups over the world, each DP and each expert-DP group, for host-side collectives that must never be
+XLA ones (the CPU ZeRO-1 optimizers of the tests and demo use them; nxd_ckpt itself coordinates through the
+c10d store and its own replica groups, not these).
 
 When ``neuronx_distributed.parallel_layers.parallel_state`` has been imported and initialized, the query
 functions answer with its values instead of ours, so code written against this module works unchanged in
@@ -178,7 +180,7 @@ def initialize_model_parallel(
     for TP=4 on Trn1 and "trn2" for TP=64 with ``lnc_size=1`` or TP=32 with ``lnc_size=2`` on Trn2, else
     "row_major". Besides one device-backend group per TP/DP/PP/CP/EP/expert-DP group, it makes gloo groups
     (timeout ``host_timeout_s``) over the world, each DP group and each expert-DP group, for host-side
-    coordination.
+    collectives (the CPU ZeRO-1 optimizers use them).
     """
     global _STATE
     if not (dist.is_available() and dist.is_initialized()):

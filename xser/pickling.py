@@ -236,8 +236,3 @@ def ViewReader(buffer) -> RangeFile:  # noqa: N802 - reads like the class it use
     """A RangeFile over a buffer, without copying it (io.BytesIO would)."""
     view = memoryview(buffer).cast("B")
     return RangeFile(lambda offset, n: view[offset:offset + n], len(view))
-
-
-def loads_pickle(data: bytes, **kw) -> Any:
-    """``load_pickle`` of in-memory bytes."""
-    return load_pickle(io.BytesIO(data), **kw)
