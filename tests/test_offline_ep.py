@@ -10,26 +10,13 @@ import os
 import pytest
 import torch
 from harness import run_ranks
-from test_reshard_ep import LR, _bits, _check_adam, _check_zero1, _coords, _MoE, _reference, _zero1_opt
+from test_reshard_ep import LR, _bits, _check_adam, _check_zero1, _coords, _MoE, _reference, _zero1_opt, save_ep2_tags
 
 from nxd_ckpt.cli import main
 
 
 def _save_both(rank, world, root):
-    import nxd_ckpt
-    import parallel_state as ps
-
-    ps.initialize_model_parallel(expert_model_parallel_size=2)          # TP=1, DP=4, EDP=2
-    coords = _coords(ps)
-    model = _MoE(*coords)
-    opt = _zero1_opt(ps, model)
-    model.step(opt, *coords)
-    nxd_ckpt.save_checkpoint(root, "zero1", model=model, optimizer=opt, zero1_optimizer=True, use_xser=True)
-    model = _MoE(*coords)
-    adam = torch.optim.Adam(model.parameters(), lr=LR)
-    model.step(adam, *coords)
-    nxd_ckpt.save_checkpoint(root, "adam", model=model, optimizer=adam, use_xser=False)
-    nxd_ckpt.finalize_checkpoint()
+    save_ep2_tags(root)
     return True
 
 

@@ -144,7 +144,9 @@ def _check_adam(coords, model, opt, ref, where):
 TARGETS = [(1, 1, 1), (1, 4, 1), (2, 2, 1), (1, 2, 2)]
 
 
-def _ep_reshard_rank(rank, world, root):
+def save_ep2_tags(root: str) -> None:
+    """This rank's part of two tags of the MoE after one step at EP=2 x DP=4 (4 ranks): "zero1" (NxD's EP ZeRO-1
+    optimizer, xser) and "adam" (a plain Adam, not xser)."""
     import nxd_ckpt
     import parallel_state as ps
 
@@ -159,6 +161,13 @@ def _ep_reshard_rank(rank, world, root):
     model.step(adam, *coords)
     nxd_ckpt.save_checkpoint(root, "adam", model=model, optimizer=adam, use_xser=False)
     nxd_ckpt.finalize_checkpoint()
+
+
+def _ep_reshard_rank(rank, world, root):
+    import nxd_ckpt
+    import parallel_state as ps
+
+    save_ep2_tags(root)
 
     ref = _reference()
     for tp, ep, pp in TARGETS:
