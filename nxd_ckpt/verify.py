@@ -192,13 +192,8 @@ def _check_refs(reader: FileReader, folder: str, res: VerifyResult, from_masters
         rel = f"{folder}/{name}"
         res.files_checked += 1
         if xser_folder:
-            try:
-                data = reader.load_pickle(rel)
-            except UnsafeCheckpointError as exc:
-                res.problems.append((rel, f"not checkable without --trusted: {exc}"))
-                continue
-            except CheckpointError as exc:
-                res.problems.append((rel, str(exc)))
+            data = _read_noting(res, rel, lambda: reader.load_pickle(rel))
+            if data is _UNREADABLE:
                 continue
             if from_masters and folder == layout.OPTIM_DIR and "sharded_master_weights" not in data:
                 res.problems.append((rel, "has no sharded_master_weights, which hold this tag's model weights"))
@@ -262,18 +257,28 @@ def _check_tensor_files(reader: FileReader, tensor_files: List[str], res: Verify
             bar.close()
 
 
+_UNREADABLE = object()
+
+
+def _read_noting(res: "VerifyResult", rel: str, read):
+    """``read()``, or _UNREADABLE with the reason noted as a problem of ``rel`` (unsafe without --trusted, or
+    damaged)."""
+    try:
+        return read()
+    except UnsafeCheckpointError as exc:
+        res.problems.append((rel, f"not checkable without --trusted: {exc}"))
+    except CheckpointError as exc:
+        res.problems.append((rel, str(exc)))
+    return _UNREADABLE
+
+
 def _check_dcp(st: Storage, res: VerifyResult, trusted: bool) -> None:
     """NxD's use_zero1_dcp optimizer: .metadata reads, and every data file it names holds the bytes it points at."""
     from .dcpmeta import read_metadata
 
     rel = f"{layout.OPTIM_DIR}/{layout.DCP_METADATA_FILE}"
-    try:
-        meta = read_metadata(st.read_bytes(rel), rel, trusted)
-    except UnsafeCheckpointError as exc:
-        res.problems.append((rel, f"not checkable without --trusted: {exc}"))
-        return
-    except CheckpointError as exc:
-        res.problems.append((rel, str(exc)))
+    meta = _read_noting(res, rel, lambda: read_metadata(st.read_bytes(rel), rel, trusted))
+    if meta is _UNREADABLE:
         return
     res.files_checked += 1
     ends: Dict[str, int] = {}
