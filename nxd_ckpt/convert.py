@@ -177,16 +177,38 @@ def _finish(command: str, dst: str, t0: float, res) -> ConvertSummary:
 
 
 # --- commands --------------------------------------------------------------------------------------
+def mark_experts(state: FullState, globs: Sequence[str], ep: int, flag_src: str) -> None:
+    """``--expert GLOB`` rules (import, from-dcp) name the expert tensors (dim 0 holds the experts, as NxD's
+    ExpertFused layers keep them) that ``--ep`` splits; without rules, what the source recorded stays."""
+    # (a tag saved at EP=1 marks no expert: NxD sets expert_model_parallel only at EP > 1)
+    if globs and ep == 1:
+        raise CheckpointArgumentError("--expert marks tensors to split over expert-parallel ranks; it needs --ep E "
+                                      "with E > 1 (or drop --expert)")
+    names = state.names()
+    for glob in globs:
+        if not any(fnmatch.fnmatchcase(n, glob) for n in names):
+            raise CheckpointArgumentError(f"--expert {glob!r} matches no tensor of {flag_src} (e.g. "
+                                          f"{', '.join(names[:3])}); fix the pattern")
+    if globs:
+        state.experts = frozenset(n for n in names if any(fnmatch.fnmatchcase(n, g) for g in globs))
+    if ep > 1 and not state.experts:
+        raise CheckpointArgumentError(
+            f"--ep {ep}: {flag_src} records no expert tensors, so nothing would be split over EP; name them with "
+            "--expert GLOB (repeatable; tensors whose dim 0 holds the experts, e.g. --expert '*.mlp.experts.*'), "
+            "or pass --ep 1")
+
+
 def import_hf(args) -> ConvertSummary:
     t0 = time.monotonic()
     return_freed_memory()
     rules = partition_rules(args.partition, args.preset)
     dst = check_output_dir(args.hf_dir, args.dst, flag="DST_TAG", example="ckpts/imported", overwrite=args.overwrite)
     state = read_hf(args.hf_dir, rules)
-    sizes = _sizes(args)
+    sizes = replace(_sizes(args), ep=args.ep)
     if sizes.zero1:
         raise CheckpointArgumentError("import brings in weights only; --zero1 needs an optimizer state")
     check_rules(state, rules, args.partition, sizes.tp, False, f"HF_DIR {args.hf_dir}")
+    mark_experts(state, args.expert, sizes.ep, f"HF_DIR {args.hf_dir}")
     plan_check(state, sizes)
     res = write_tag(state, dst, sizes, converted_from={"path": open_storage(args.hf_dir).root, "format": "safetensors"})
     return _finish("import", dst, t0, res)
@@ -220,6 +242,7 @@ def reshard(args) -> ConvertSummary:
     before = _source_sizes(state, src)
     sizes = _sizes(args, TagSizes(before.tp, before.pp, before.dp, before.zero1 and state.optim is not None))
     sizes = replace(sizes, ep=args.ep)
+    mark_experts(state, args.expert, sizes.ep, f"SRC_TAG {src}")
     plan_check(state, sizes)
     res = write_tag(state, dst, sizes, converted_from={"path": src, "tp": before.tp, "pp": before.pp, "dp": before.dp})
     return _finish("reshard", dst, t0, res)
@@ -243,12 +266,13 @@ def from_dcp(args) -> ConvertSummary:
     rules = partition_rules(args.partition, args.preset)
     dst = check_output_dir(args.src, args.dst, flag="DST_TAG", example="ckpts/from_dcp", overwrite=args.overwrite)
     state = read_dcp(args.src, rules=rules, trusted=args.trusted, optimizer=not args.no_optimizer)
-    sizes = _sizes(args)
+    sizes = replace(_sizes(args), ep=args.ep)
     if sizes.zero1 and state.optim is None:
         raise ConversionError(f"DCP_DIR {args.src} holds no optimizer state ('optim' / 'optimizer' entries), so "
                               "--zero1 cannot be written; drop --zero1 to bring in the model only")
     recorded = any(t.partition is not None for t in state.model)
     check_rules(state, rules, args.partition, sizes.tp, recorded, f"DCP_DIR {args.src}")
+    mark_experts(state, args.expert, sizes.ep, f"DCP_DIR {args.src}")
     plan_check(state, sizes)
     res = write_tag(state, dst, sizes, converted_from={"path": storage_at(args.src).root, "format": "dcp"})
     return _finish("from-dcp", dst, t0, res)
@@ -282,12 +306,28 @@ def _common(p) -> None:
     p.add_argument("--json", action="store_true", help="print the result as JSON")
 
 
+def _ep_arg(p, what: str) -> None:
+    p.add_argument("--ep", type=int, default=1, metavar="E",
+                   help=f"expert parallel size of the new tag (default 1); E > 1 {what} over E ranks in NxD's "
+                        "layout (dp_rank_00_ep_rank_EE_... files; a ZeRO-1 optimizer as NxD's expert-parallel "
+                        "ZeRO-1 state); --dp must be a multiple of E")
+
+
+def _expert_args(p, what: str = "splits the expert tensors (--expert, or as the source records them) along "
+                                 "dim 0") -> None:
+    _ep_arg(p, what)
+    p.add_argument("--expert", action="append", default=[], metavar="GLOB",
+                   help="tensors matching GLOB hold experts along dim 0 (NxD's ExpertFused layers) and are split "
+                        "over --ep ranks; repeatable; needs --ep > 1")
+
+
 def add_import(p) -> None:
     p.add_argument("hf_dir", metavar="HF_DIR", help="a Hugging Face checkpoint directory (safetensors)")
     p.add_argument("dst", metavar="DST_TAG", help="the tag directory to write, e.g. ckpts/imported")
     _sizes_args(p, zero1=False)
     p.set_defaults(zero1=False)
     _rules_args(p)
+    _expert_args(p)
     _common(p)
 
 
@@ -307,10 +347,8 @@ def _state_args(p, src: str, src_help: str, dst: str, dst_help: str, *, tag_out:
 def add_reshard(p) -> None:
     _state_args(p, "SRC_TAG", "the tag to reshard (never modified)", "DST_TAG", "the new tag directory",
                 tag_out=True, preset=False)
-    p.add_argument("--ep", type=int, default=1, metavar="E",
-                   help="expert parallel size of the new tag (default 1: an expert-parallel source has its experts "
-                        "joined); E > 1 splits the source's expert tensors over E ranks in NxD's layout (a ZeRO-1 "
-                        "optimizer as NxD's expert-parallel ZeRO-1 state)")
+    _expert_args(p, "splits the expert tensors (--expert, or those an expert-parallel source marks) along dim 0 "
+                    "(default 1: an expert-parallel source has its experts joined)")
 
 
 def add_to_dcp(p) -> None:
@@ -326,10 +364,12 @@ def add_to_dcp(p) -> None:
 def add_from_dcp(p) -> None:
     _state_args(p, "DCP_DIR", "a torch.distributed.checkpoint directory (holds .metadata)", "DST_TAG",
                 "the tag directory to write", tag_out=True, preset=True)
+    _expert_args(p)
 
 
 EPILOGS = {
-    "import": "example:\n  nxd-ckpt import hf/Llama-3-8B ckpts/llama_tp8 --tp 8 --pp 4 --preset llama",
+    "import": "example:\n  nxd-ckpt import hf/Llama-3-8B ckpts/llama_tp8 --tp 8 --pp 4 --preset llama\n"
+              "  nxd-ckpt import hf/moe ckpts/moe_ep4 --ep 4 --dp 8 --expert '*.experts.*'",
     "reshard": "example:\n  nxd-ckpt reshard ckpts/step_1000 ckpts/step_1000_tp4 --tp 4 --dp 2",
     "to-dcp": "example:\n  nxd-ckpt to-dcp ckpts/step_1000 dcp/step_1000\n"
               "  nxd-ckpt to-dcp ckpts/step_1000 outputs/checkpoint/step-1000 --layout torchtitan",

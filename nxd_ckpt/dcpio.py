@@ -156,6 +156,7 @@ def _last_epoch(scheduler, step) -> int:
 def _meta_bytes(state: FullState, layout_kind: str) -> bytes:
     meta = {"format": META_FORMAT, "layout": layout_kind, "topology": state.topology,
             "partitions": {t.name: [t.partition.dim, t.partition.stride] for t in state.model if t.partition},
+            "experts": sorted(state.experts),     # an EP source's expert tensors: from-dcp --ep splits them again
             "model_dtypes": {k: str(v).replace("torch.", "") for k, v in state.model_dtypes.items()},
             "scheduler": state.scheduler, "user_content": state.user_content,
             # the source optimizer's own hyper-parameter keys: from-dcp keeps those, not AdamW's extra ones
@@ -499,6 +500,7 @@ def read_dcp(path: str, *, rules: Sequence[Tuple[str, int, int]] = (), trusted: 
     model = [r.source(key, n, rule_partition(n, rules) if rules else recorded.get(n)) for n, key in model_keys.items()]
     state = FullState(model, topology=dict(meta.get("topology") or {}))
     state.model_dtypes = {k: getattr(torch, v) for k, v in meta.get("model_dtypes", {}).items()}
+    state.experts = frozenset(str(k) for k in meta.get("experts") or ()) & frozenset(model_keys)
     state.scheduler, state.user_content = meta.get("scheduler"), meta.get("user_content")
     if not meta and kind == "torchtitan":     # a TorchTitan job's own checkpoint: its schedule and train state
         state.scheduler = _values(r, "lr_scheduler") or None

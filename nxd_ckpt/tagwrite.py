@@ -130,11 +130,13 @@ def plan_check(state: FullState, sizes: TagSizes) -> Dict[str, int]:
     sizes.check()
     for t in state.model:
         tp_shard_shape(t.shape, t.partition, sizes.tp, t.name)
-        if sizes.ep > 1 and t.name in state.experts:
-            tp_shard_shape(t.shape, EXPERTS, sizes.ep, t.name)    # its experts split into EP equal runs
+        if sizes.ep > 1 and t.name in state.experts and (not t.shape or t.shape[0] % sizes.ep):
+            raise ConversionError(f"{t.name} holds {t.shape[0] if t.shape else 0} experts along dim 0, which do not "
+                                  f"split into --ep {sizes.ep} equal runs; choose an --ep that divides "
+                                  f"{t.shape[0] if t.shape else 0} (or leave {t.name} out of the expert tensors)")
     if sizes.ep > 1 and not state.experts:
         raise ConversionError(f"--ep {sizes.ep}: the source marks no tensor as an expert (expert_model_parallel), so "
-                              "there is nothing to split over EP; pass --ep 1")
+                              "there is nothing to split over EP; name them with --expert GLOB, or pass --ep 1")
     if sizes.zero1 and state.optim is None:
         raise ConversionError("--zero1 asks for a ZeRO-1 optimizer state but the source holds no optimizer state; "
                               "drop --zero1 (the tag then has the model only)")
@@ -244,8 +246,11 @@ def _optim_file(state: FullState, order: List[str], sizes: TagSizes, r: int, p: 
 
 def _ep_zero1_file(f: _File, state: FullState, order: List[str], sizes: TagSizes, by_name) -> _File:
     """NxD's NeuronEPZero1Optimizer state: the non-expert parameters numbered first, the experts from
-    ``ep_base_state_offset`` on (their param groups after ``ep_param_group_offset``, numbered from 0 again), no
-    master weights (NxD's EP state has none: loading re-shards them from the parameters)."""
+    ``ep_base_state_offset`` on (their param groups after ``ep_param_group_offset``, numbered from 0 again).
+    NxD's own EP state has no master weights (its load re-shards them from the parameters); when the source has
+    them (``carries_masters``) they are kept as ``sharded_master_weights`` by the same indices, cut like the
+    moments: NxD's load ignores the extra key, load_checkpoint and the offline tools read it, so fp32 masters of a
+    lower-precision model are not lost."""
     others = [n for n in order if n not in state.experts]
     experts = [n for n in order if n in state.experts]
     base = len(others) or 1          # NxD's offset: max index + 1, 1 for an empty dict
@@ -263,7 +268,15 @@ def _ep_zero1_file(f: _File, state: FullState, order: List[str], sizes: TagSizes
               "param_groups": (_groups(state, others) if others else []) + (_groups(state, experts) if experts else []),
               "base_state": {f.index[n]: _entry(f, params[n], f"base_state/{f.index[n]}") for n in order},
               "shape_info": {f.index[n]: local_shape(n) for n in order}}
+    if carries_masters(state):
+        f.data["sharded_master_weights"] = {f.index[n]: f.ref(f"sharded_master_weights/{f.index[n]}") for n in order}
     return f
+
+
+def carries_masters(state: FullState) -> bool:
+    """Whether an expert-parallel ZeRO-1 tag written from ``state`` keeps master weights: when the source has any
+    (a plain ZeRO-1 tag always writes them, taking the model's values where the source has none)."""
+    return state.optim is not None and any(ps.master is not None for ps in state.optim.params.values())
 
 
 def _entry(f: _File, ps: ParamState, path: str, attrs: Optional[dict] = None) -> dict:
@@ -293,7 +306,7 @@ def _write_param(w: _Writer, state: FullState, t, sizes: TagSizes, p: int, model
     ps = state.optim.params[t.name]
     i = optims[(0, p, 0, 0)].index[t.name]
     root = "base_state" if sizes.zero1 else "state"
-    if sizes.zero1 and not sizes.ep_zero1:
+    if sizes.zero1 and (not sizes.ep_zero1 or carries_masters(state)):
         master = ps.master.checked() if ps.master is not None else full
         _write_pieces(w, optims, p, sizes, master.float(), t, lambda f: f.data["sharded_master_weights"][i], state)
     del full
