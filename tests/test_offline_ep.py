@@ -154,6 +154,11 @@ def test_reshard_to_ep2_writes_nxd_ep_layout_that_loads_at_ep2(saved, tmp_path):
     assert len(os.listdir(model / f"{names[1]}.tensors")) == 2
     optim = sorted(n for n in os.listdir(out / "zero1_ep2" / "optim") if n.endswith(".pt") and ".info" not in n)
     assert optim == [f"dp_rank_{d:02d}_tp_rank_00_pp_rank_00.pt" for d in range(2)]
+    # the manifest names the rank that owns each file at EP=2 x DP=2: EP rank e of expert-DP rank 0 is rank e
+    from nxd_ckpt import manifest
+    files = manifest.read(str(out / "adam_ep2")).files
+    assert [files[f"{d}/dp_rank_00_ep_rank_{e:02d}_tp_rank_00_pp_rank_00.pt"].rank
+            for d in ("model", "optim") for e in range(2)] == [0, 1, 0, 1]
     assert run_ranks(_load_ep2, 2, str(out), timeout=180) == [True, True]
 
 
