@@ -29,9 +29,11 @@ import functools
 import io
 import warnings
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
+
+import xser
 
 from . import manifest as manifest_mod
 from .errors import CheckpointArgumentError, CorruptCheckpointError
@@ -177,12 +179,42 @@ def _streaming_planner(loaders: Dict[str, TensorSource], bar):
             src = loaders.get(write_item.index.fqn)
             if src is None or write_item.type == WriteItemType.BYTE_IO:
                 return super().resolve_data(write_item)
+            frame = xser.tensor_frame(src.shape, src.dtype) if src.pieces is not None else None
+            if frame is not None:
+                return _Streamed(src, frame, bar.update if bar is not None else None)
             t = src.checked()
             if bar is not None:
                 bar.update(src.nbytes)
             return t
 
     return StreamingSavePlanner()
+
+
+@dataclass
+class _Streamed:
+    """A tensor the storage writer writes piece by piece (``TensorSource.pieces``) between its file's
+    ``frame`` (``xser.tensor_frame``): the same bytes as the joined tensor's file, with each piece copied
+    once (into the file) instead of twice (into the full tensor, then into the file), and no full tensor
+    in memory."""
+
+    src: TensorSource
+    frame: Tuple[bytes, bytes]
+    progress: Optional[Callable[[int], Any]]
+
+    def write(self, f) -> None:
+        f.write(self.frame[0])
+        written = 0
+        for piece in self.src.pieces():
+            data = piece.contiguous().reshape(-1).view(torch.uint8).numpy()
+            f.write(data)
+            written += len(data)
+            if self.progress is not None:
+                self.progress(len(data))
+            del piece, data
+        if written != self.src.nbytes:
+            raise CorruptCheckpointError(f"{self.src.name}: its pieces hold {written} bytes, its metadata says "
+                                         f"{self.src.nbytes}")
+        f.write(self.frame[1])
 
 
 #: writer threads: while one reads and joins the next tensor the other writes one (2 cores measured here)
@@ -207,8 +239,6 @@ def _storage_writer(store, checkpoint_id: str, pool=None):
     from torch.distributed.checkpoint.planner import WriteItemType
     from torch.distributed.checkpoint.storage import WriteResult
 
-    import xser
-
     class Writer(StorageWriter):
         def __init__(self):
             super().__init__()
@@ -229,7 +259,9 @@ def _storage_writer(store, checkpoint_id: str, pool=None):
 
         def _write(self, name: str, item, planner) -> WriteResult:
             data = planner.resolve_data(item)
-            if item.type == WriteItemType.BYTE_IO:
+            if isinstance(data, _Streamed):
+                produce = data.write
+            elif item.type == WriteItemType.BYTE_IO:
                 produce = lambda f: f.write(data.getbuffer())  # noqa: E731
             else:
                 produce = lambda f: xser.write_tensor(data, f)  # noqa: E731

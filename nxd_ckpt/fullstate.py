@@ -13,6 +13,7 @@ Sinks: ``tagwrite.write_tag``, ``dcpio.write_dcp``, ``export`` (Hugging Face saf
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fnmatch
 import math
 import re
@@ -26,7 +27,8 @@ import xser
 
 from . import layout
 from .errors import CheckpointArgumentError, CheckpointError, CorruptCheckpointError
-from .partition import Partition, assemble_zero1, copy_into_blocks, tp_block_views
+from .partition import (Partition, PartitionError, assemble_zero1, copy_into_blocks, row_segments,
+                        rows_tail, tp_block_views, zero1_piece_shape)
 from .manifest import read as read_manifest
 from .reader import FileReader
 
@@ -45,6 +47,10 @@ class TensorSource:
     dtype: torch.dtype
     partition: Optional[Partition]
     load: Callable[[], torch.Tensor]
+    #: when set, the tensor's bytes in order as contiguous tensors read one at a time (each valid until the
+    #: next is asked for; checked by shape and dtype): a sink may write them one after the other instead of
+    #: joining the full tensor first (``stream_pieces``)
+    pieces: Optional[Callable[[], Iterator[torch.Tensor]]] = None
 
     @property
     def nbytes(self) -> int:
@@ -338,7 +344,7 @@ def _param_state(reader: FileReader, per_tp: List[List[_OptimFile]], i: int, par
     masters = head.get("sharded_master_weights") if zero1 else None
     if isinstance(masters, dict) and i in masters:
         m = _joined(reader, per_tp, ("sharded_master_weights", i), param, zero1, f"{param.name} master weights")
-        ps.master = TensorSource(param.name, m.shape, m.dtype, param.partition, m.load)
+        ps.master = dataclasses.replace(m, name=param.name)
     return ps
 
 
@@ -419,7 +425,32 @@ def _joined(reader: FileReader, per_tp: List[List[_OptimFile]], path: tuple, par
                 copy_into_blocks(shard, blocks, param.partition, label)
         return full
 
-    return TensorSource(label, tuple(param.shape), dtype, param.partition, load)
+    ndp = len(per_tp[0]) if zero1 else 1
+    want = zero1_piece_shape(local, ndp) if zero1 else local
+    pieces = piece_stream(param, len(per_tp), want, dtype, label,
+                          lambda r, d: _leaf(reader, per_tp[r][d], path, mapped=True))
+    return TensorSource(label, tuple(param.shape), dtype, param.partition, load, pieces)
+
+
+def piece_stream(param: TensorSource, ntp: int, want: tuple, dtype: torch.dtype, label: str,
+                 load_piece: Callable[[int, int], torch.Tensor]) -> Optional[Callable[[], Iterator[torch.Tensor]]]:
+    """``TensorSource.pieces`` of a tensor stored as TP shards, each in pieces of shape ``want`` (ZeRO-1 pieces,
+    padding included; the whole shard without ZeRO-1) that ``load_piece(tp_rank, piece)`` reads: None when its
+    bytes are not a run of whole piece rows (``partition.row_segments``)."""
+    segments = row_segments(param.shape, param.partition, ntp, rows_tail(want)[0], label)
+    if segments is None:
+        return None
+
+    def pieces() -> Iterator[torch.Tensor]:
+        for r, d, first, rows in segments:
+            piece = load_piece(r, d)
+            if tuple(piece.shape) != tuple(want) or piece.dtype != dtype:
+                raise PartitionError(f"{label}: piece {d} of TP rank {r} is {piece.dtype} {tuple(piece.shape)}; "
+                                     f"the state's pieces are {dtype} {tuple(want)}")
+            yield piece[first:first + rows]
+            del piece
+
+    return pieces
 
 
 def _leaf_meta(reader: FileReader, f: _OptimFile, path: tuple) -> torch.dtype:

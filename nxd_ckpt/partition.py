@@ -213,6 +213,39 @@ def zero1_piece_shape(shape: Sequence[int], group: int) -> tuple:
     return (piece_rows(rows, group), *tail)
 
 
+def row_segments(shape: Sequence[int], part: Optional[Partition], tp: int, per: int,
+                 name: str = "tensor") -> Optional[List[Tuple[int, int, int, int]]]:
+    """The full tensor's bytes, in order, as (TP rank, piece, first row in the piece, rows) segments, where each
+    TP rank's shard is stored as pieces of ``per`` rows (ZeRO-1 pieces; one piece of the whole shard without
+    ZeRO-1): what a sink writes one after the other instead of joining the full tensor. None when that is not
+    a sequence of whole-row runs reading each piece once: shards split along a dim other than 0 (their rows
+    interleave), or a stride whose blocks cut a piece in two."""
+    shape = tuple(int(d) for d in shape)
+    rows, _tail = rows_tail(shape)
+    if part is None or tp == 1:
+        runs = [(0, 0, rows)]
+    else:
+        tp_shard_shape(shape, part, tp, name)
+        part = part.normalised(len(shape), name)
+        if part.dim != 0:
+            return None
+        blk = rows // (tp * part.stride)
+        runs = [(r, k * blk, blk) for k in range(part.stride) for r in range(tp)]
+    out: List[Tuple[int, int, int, int]] = []
+    for r, row, n in runs:
+        end = row + n
+        while row < end:
+            d, off = divmod(row, per)
+            take = min(per - off, end - row)
+            if out and (out[-1][0], out[-1][1]) == (r, d) and out[-1][2] + out[-1][3] == off:
+                out[-1] = (r, d, out[-1][2], out[-1][3] + take)
+            else:
+                out.append((r, d, off, take))
+            row += take
+    pieces = [(r, d) for r, d, _o, _n in out]
+    return out if len(set(pieces)) == len(pieces) else None
+
+
 def zero1_shard(full: torch.Tensor, rank: int, group: int) -> torch.Tensor:
     """Piece ``rank`` of ``full`` padded with zeros along dim 0 to a multiple of ``group`` (a new tensor)."""
     rows, tail = rows_tail(full.shape)

@@ -14,7 +14,7 @@ from typing import Dict, List, Tuple
 
 from . import layout
 from .fullstate import (ConversionError, OptimState, ParamState, TensorSource, local_shape, merge_groups,
-                        new_full, param_orders)
+                        new_full, param_orders, piece_stream)
 from .partition import copy_into_blocks, tp_block_views
 
 
@@ -81,7 +81,13 @@ def _joined(dcp, by_tp: Dict[int, str], param: TensorSource, ntp: int, label: st
             copy_into_blocks(dcp.tensor(by_tp[r]), blocks, param.partition, label)
         return full
 
-    return TensorSource(label, tuple(param.shape), dtype, param.partition, load)
+    def piece(r: int, _d: int):
+        if r not in by_tp:
+            raise ConversionError(f"{label}: the use_zero1_dcp state has no entry for TP rank {r}")
+        return dcp.tensor(by_tp[r])
+
+    pieces = piece_stream(param, ntp, local_shape(param, ntp), dtype, label, piece)
+    return TensorSource(label, tuple(param.shape), dtype, param.partition, load, pieces)
 
 
 def _groups(dcp, blobs: Dict[tuple, str], keys: List[str], model: Dict[str, TensorSource], ntp: int,

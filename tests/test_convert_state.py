@@ -400,3 +400,48 @@ def test_from_dcp_of_a_sharded_checkpoint_assembles_its_chunks(tmp_path):
                  "--no-optimizer"]) == 0
     back = read_tag(str(tmp_path / "t"))
     assert_bit_equal({t.name: t.checked() for t in back.model}, full)
+
+
+def test_row_segments_read_each_piece_once_or_decline():
+    from nxd_ckpt.partition import row_segments
+
+    assert row_segments((16, 8), Partition(0, 2), 2, 2) == [(0, 0, 0, 2), (0, 1, 0, 2), (1, 0, 0, 2), (1, 1, 0, 2),
+                                                           (0, 2, 0, 2), (0, 3, 0, 2), (1, 2, 0, 2), (1, 3, 0, 2)]
+    assert row_segments((16, 8), Partition(0, 2), 2, 3) is None          # piece 1 of each rank spans two blocks
+    assert row_segments((7, 8), Partition(1), 2, 3) is None              # row-parallel: rows interleave
+    assert row_segments((7, 3), None, 4, 2) == [(0, 0, 0, 2), (0, 1, 0, 2), (0, 2, 0, 2), (0, 3, 0, 1)]
+    assert row_segments((8, 3), Partition(0), 2, 4) == [(0, 0, 0, 4), (1, 0, 0, 4)]
+
+
+def test_to_dcp_streams_zero1_pieces_into_the_bytes_of_the_joined_tensor(tmp_path):
+    """Tensors whose ZeRO-1 pieces are runs of the full tensor's rows are written piece by piece; their files
+    are byte for byte those of the joined tensor, and row-parallel or piece-splitting strided ones are joined."""
+    import xser
+    from torch.distributed.checkpoint import FileSystemReader
+
+    state, _ = full_state()
+    write_tag(state, str(tmp_path / "a"), TagSizes(2, 1, 3, True), converted_from={})
+    src = read_tag(str(tmp_path / "a"))
+    sources = {t.name: t for t in src.model}
+    sources.update({m.name: m for ps in src.optim.params.values() for m in ps.moments.values()})
+    joined = {n for n, t in sources.items() if t.pieces is None}
+    assert joined == {f"{n}{k}" for n in ("model.layers.0.self_attn.o_proj.weight",
+                                         "model.layers.0.mlp.gate_up_proj.weight", "model.layers.1.mlp.down_proj.weight")
+                      for k in ("", " exp_avg", " exp_avg_sq")}
+    for name, t in sources.items():
+        if t.pieces is not None:
+            streamed = b"".join(p.contiguous().view(torch.uint8).numpy().tobytes() for p in t.pieces())
+            assert streamed == t.checked().contiguous().view(torch.uint8).numpy().tobytes(), name
+    assert main(["to-dcp", str(tmp_path / "a"), str(tmp_path / "d")]) == 0
+    meta = FileSystemReader(str(tmp_path / "d")).read_metadata()
+    checked = 0
+    for index, info in meta.storage_data.items():
+        key = index.fqn
+        name = key[len("model."):] if key.startswith("model.") else None
+        if key.startswith("optim.state.") and key.rsplit(".", 1)[-1] in ("exp_avg", "exp_avg_sq"):
+            name = f"{key[len('optim.state.'):].rsplit('.', 1)[0]} {key.rsplit('.', 1)[-1]}"
+        if name in sources:
+            data = (tmp_path / "d" / info.relative_path).read_bytes()
+            assert data == xser.tensor_to_bytes(sources[name].checked()), key
+            checked += 1
+    assert checked == len(sources) == 27

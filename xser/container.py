@@ -99,6 +99,18 @@ def write_tensor(t: torch.Tensor, fileobj) -> None:
         flush()
 
 
+def tensor_frame(shape, dtype: torch.dtype) -> Optional[Tuple[bytes, bytes]]:
+    """(bytes before the data, bytes after it) of the file ``write_tensor`` writes for a contiguous tensor of
+    ``shape`` and ``dtype``, for a caller that writes the data itself, piece by piece, in between. None when
+    ``write_tensor`` would not write such a tensor in that form (empty, too large, a dtype torch pickles
+    otherwise, no usable template): then build the tensor and call ``write_tensor``."""
+    template = _template()
+    meta = torch.empty(tuple(shape), dtype=dtype, device="meta")
+    if template is None or not 0 < meta.numel() * meta.element_size() < FAST_MAX_BYTES:
+        return None
+    return template.frame(meta)
+
+
 #: Tensors up to this size are joined with their header and trailer into one write.
 _JOIN_MAX_BYTES = 1 << 20
 #: Tensors this large or larger go through torch's writer (zip64 fields start at 4 GiB).
@@ -218,15 +230,20 @@ class _Template:
         """(bytes before the tensor data, the data, bytes after), or None when torch's writer must do it."""
         if not _eligible(t):
             return None
+        frame = self.frame(t)
+        if frame is None:
+            return None
+        return frame[0], _host_bytes(t), frame[1]
+
+    def frame(self, t: torch.Tensor) -> Optional[Tuple[bytes, bytes]]:
+        """(bytes before the data, bytes after) of ``t``'s file (``t`` may be a meta tensor), cached."""
         key = (t.dtype, tuple(t.shape), t.stride(), t.requires_grad)
         frame = self.frames.get(key, False)
         if frame is False:
             frame = self._frame(t)
             if len(self.frames) < _FRAME_CACHE:
                 self.frames[key] = frame
-        if frame is None:
-            return None
-        return frame[0], _host_bytes(t), frame[1]
+        return frame
 
     def _frame(self, t: torch.Tensor) -> Optional[Tuple[bytes, bytes]]:
         pkl = _data_pkl(t)
