@@ -24,12 +24,64 @@ _DONE_PREFIX = b"nxd-ckpt manifest"
 
 
 @dataclass(frozen=True)
+class RangeSum:
+    """The CRC32C (8 hex digits) of ``length`` bytes at ``offset`` of a file: one zip record of a plain
+    (non-xser) shard (its local header and data) or the zip's central directory and end records, so a reader
+    that needs a few tensors of the file checks just the records it reads (``rangecheck``)."""
+
+    offset: int
+    length: int
+    crc32c: str
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.length
+
+    def to_json(self) -> list:
+        return [self.offset, self.length, self.crc32c]
+
+    @classmethod
+    def from_json(cls, v) -> "RangeSum":
+        offset, length, crc = v
+        if int(offset) < 0 or int(length) < 0:
+            raise ValueError(f"a byte range has a negative offset or length: {v!r}")
+        return cls(int(offset), int(length), str(crc))
+
+
+@dataclass(frozen=True)
 class FileEntry:
-    """One file of the tag: its size, CRC32C (8 hex digits) and the global rank that wrote it."""
+    """One file of the tag: its size, CRC32C (8 hex digits) and the global rank that wrote it; for a plain
+    shard also the CRC32C of each of its zip records (``ranges``: sorted, disjoint; None for other files and in
+    manifests written before they were recorded)."""
 
     size: int
     crc32c: str
     rank: Optional[int] = None
+    ranges: Optional[Tuple[RangeSum, ...]] = None
+
+    def to_json(self) -> dict:
+        out: Dict[str, object] = {"size": self.size, "crc32c": self.crc32c}
+        if self.rank is not None:
+            out["rank"] = self.rank
+        if self.ranges is not None:
+            out["ranges"] = [r.to_json() for r in self.ranges]
+        return out
+
+    @classmethod
+    def from_json(cls, e: dict) -> "FileEntry":
+        ranges = e.get("ranges")
+        if ranges is not None:
+            ranges = tuple(sorted((RangeSum.from_json(r) for r in ranges), key=lambda r: r.offset))
+            if any(a.end > b.offset for a, b in zip(ranges, ranges[1:])) or (ranges and ranges[-1].end > int(e["size"])):
+                raise ValueError(f"byte ranges overlap or run past the file's {e['size']} bytes")
+        return cls(int(e["size"]), str(e["crc32c"]), e.get("rank"), ranges)
+
+    def range_mismatch(self, r: RangeSum, crc: int) -> Optional[str]:
+        """What is wrong with range ``r`` of this file whose bytes have CRC32C ``crc``, or None."""
+        if f"{crc:08x}" == r.crc32c:
+            return None
+        return (f"fails its checksum on bytes {r.offset}..{r.end}: expected crc32c {r.crc32c}, found {crc:08x} "
+                "(damaged)")
 
     def mismatch(self, size: int, crc: Optional[int]) -> Optional[str]:
         """What is wrong with a file of ``size`` bytes and CRC32C ``crc`` (None: not computed), or None."""
@@ -111,8 +163,7 @@ class Manifest:
             "topology": {k: v for k, v in asdict(self.topology).items() if not (k == "layout" and v is None)},
             "zero1": self.zero1, "xser": self.xser, "has_model": self.has_model, "has_optim": self.has_optim,
             **self.extra,
-            "files": {rel: {k: v for k, v in asdict(e).items() if v is not None}
-                      for rel, e in sorted(self.files.items())},
+            "files": {rel: e.to_json() for rel, e in sorted(self.files.items())},
             "tensors": {rel: {tid: m.to_json() for tid, m in ts.items()} for rel, ts in self.tensors.items()},
         }
 
@@ -126,7 +177,7 @@ class Manifest:
         return cls(
             tag=str(data.get("tag", "")), topology=Topology.from_json(data["topology"]),
             zero1=bool(data["zero1"]), xser=bool(data["xser"]),
-            files={rel: FileEntry(int(e["size"]), str(e["crc32c"]), e.get("rank")) for rel, e in data["files"].items()},
+            files={rel: FileEntry.from_json(e) for rel, e in data["files"].items()},
             tensors={rel: {str(tid): TensorMeta.from_json(m) for tid, m in ts.items()}
                      for rel, ts in data["tensors"].items()},
             has_model=bool(data.get("has_model", True)), has_optim=bool(data.get("has_optim", True)),

@@ -23,7 +23,7 @@ import torch
 
 import xser
 
-from . import hostgroups, layout
+from . import hostgroups, layout, rangecheck
 from .errors import CorruptCheckpointError, UnsafeCheckpointError
 from .manifest import FileEntry, Manifest
 from .plan import assign_to_bins
@@ -129,14 +129,17 @@ class FileReader:
         if problem is not None:
             raise self._corrupt(relpath, problem)
 
-    def mismatch(self, relpath: str) -> Optional[str]:
+    def mismatch(self, relpath: str, records: bool = False) -> Optional[str]:
         """What is wrong with the file against the manifest ("is missing", wrong size, wrong CRC32C: the size
-        is looked at first, so a truncated file is not read), or None. A streaming pass, not held in memory."""
+        is looked at first, so a truncated file is not read), or None. A streaming pass, not held in memory.
+        ``records``: also each per-record CRC32C the manifest holds for the file (``verify``), in the same pass."""
         entry, full = self.entry(relpath), self._full(relpath)
         try:
             size = self.storage.size(full)
             if entry is None or entry.mismatch(size, None):
                 return None if entry is None else entry.mismatch(size, None)
+            if records and entry.ranges is not None:
+                return rangecheck.stream_mismatch(lambda o, n: self.storage.read(full, o, n), entry)
             size, crc = self.storage.crc32c(full)
         except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
             return "is missing"
@@ -196,11 +199,15 @@ class FileReader:
             return self.load_pickle(relpath)    # a legacy (non-zip) file cannot be mapped; the full read decides
 
     def plain_lazy(self, relpath: str) -> Optional["xser.LazyFile"]:
-        """A non-xser shard (one torch.save file) opened without reading its tensors: checked first against the
-        manifest by a streaming pass (bounded memory; without a manifest, only that it exists), then its zip
-        directory and pickle read as byte ranges; ``.tensor(t)`` reads one tensor's bytes. None for a file that
-        is not a zip torch.save file (legacy format): read it whole (``load_pickle``)."""
-        self.check_file(relpath)
+        """A non-xser shard (one torch.save file) opened without reading its tensors: its zip directory and pickle
+        read as byte ranges; ``.tensor(t)`` reads one tensor's bytes. Every byte read is verified: against the
+        manifest's CRC32C of each zip record when it records them (``rangecheck``); with an older manifest, by one
+        streaming pass over the whole file first (bounded memory); without a manifest (neuronx-distributed), each
+        record against the zip's own CRC-32 where the file has one. None for a file that is not a zip torch.save
+        file (legacy format): read it whole (``load_pickle``)."""
+        entry = self.entry(relpath)
+        if entry is None or entry.ranges is None:
+            self.check_file(relpath)
         full, name = self._full(relpath), self.where(relpath)
 
         def read(offset: int, length: int) -> bytes:
@@ -209,8 +216,17 @@ class FileReader:
             except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
                 raise self._corrupt(relpath, "is missing") from None
 
-        size = self.storage.size(full)
-        return self._unpickled(relpath, lambda: xser.open_lazy(read, size, trusted=self.trusted, name=name))
+        try:
+            size = self.storage.size(full)
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+            raise self._corrupt(relpath, "is missing") from None
+        if entry is not None and entry.ranges is not None:
+            problem = entry.mismatch(size, None)
+            if problem is not None:
+                raise self._corrupt(relpath, problem)
+            read = rangecheck.CheckedRanges(read, entry, name, self.hint, lambda: self.check_file(relpath)).read
+        return self._unpickled(relpath, lambda: xser.open_lazy(read, size, trusted=self.trusted, name=name,
+                                                               check_crc32=entry is None))
 
     def lazy_tensor(self, relpath: str, lazy: "xser.LazyFile", t) -> torch.Tensor:
         """``lazy.tensor(t)`` of the shard ``relpath`` that ``plain_lazy`` opened, its errors named as ours."""

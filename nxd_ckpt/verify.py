@@ -136,7 +136,7 @@ def _verify_manifest(st: Storage, manifest: Manifest, res: VerifyResult, workers
 
     def job(item):
         rel, entry = item
-        problem = reader.mismatch(rel)
+        problem = reader.mismatch(rel, records=True)
         if bar is not None:
             bar.update(entry.size)
         return rel, entry, problem

@@ -43,14 +43,25 @@ def tensor_producer(tensor: torch.Tensor) -> Callable:
     return lambda f: xser.write_tensor(tensor, f)
 
 
-def plain_shard_producer(ref_bytes: bytes, host: Dict[int, torch.Tensor]) -> Callable:
-    """A non-xser shard: the ref data with its tensors put back, written as one torch.save file."""
+@dataclass
+class PlainShardProducer:
+    """A non-xser shard: the ref data with its tensors put back, written as one torch.save file. The CRC32C of
+    each of its zip records is taken as it is written (``ranges`` after the call, None when the layout was not
+    the expected one), so that a resharding reader can check just the records it reads."""
 
-    def produce(f):
-        refs = xser.load_refs(io.BytesIO(ref_bytes), trusted=True)
-        torch.save(xser.from_refs(refs, host.__getitem__), f)
+    ref_bytes: bytes
+    host: Dict[int, torch.Tensor]
+    ranges: Optional[tuple] = None
 
-    return produce
+    def __call__(self, f) -> None:
+        refs = xser.load_refs(io.BytesIO(self.ref_bytes), trusted=True)
+        sums = xser.RecordSums(f)
+        torch.save(xser.from_refs(refs, self.host.__getitem__), sums)
+        self.ranges = sums.ranges()
+
+
+def plain_shard_producer(ref_bytes: bytes, host: Dict[int, torch.Tensor]) -> PlainShardProducer:
+    return PlainShardProducer(ref_bytes, host)
 
 
 def failing_task(exc: BaseException) -> WriteTask:
@@ -170,7 +181,8 @@ def _write_one(storage: Storage, workdir: str, task: WriteTask) -> FileRecord:
             raise
 
     rec = storage.write_file(f"{workdir}/{task.relpath}", produce, durable=False, atomic=False)
-    return FileRecord(task.relpath, rec.size, rec.crc32c)
+    ranges = task.produce.ranges if isinstance(task.produce, PlainShardProducer) else None
+    return FileRecord(task.relpath, rec.size, rec.crc32c, ranges)
 
 
 class _OSErrorKeeper(io.RawIOBase):

@@ -9,7 +9,12 @@ times each (page cache dropped before every load):
 - ``same``: 2 ranks at TP=2 load it (no resharding);
 - ``reshard``: 2 ranks at TP=1 x PP=2 load it: each rank joins both TP shards of its stage's tensors, so it
   reads as many bytes as a ``same`` rank does and only the resharding differs (of a plain shard it needs half:
-  its stage's tensors, read by byte ranges after one streaming check of the file).
+  its stage's tensors, read by byte ranges, each zip record checked against the manifest's per-record CRC32C);
+- ``reshard_streamed`` (``--format plain`` only): the same load of a copy of the tag (hard links) whose manifest
+  lacks the per-record sums, as older releases wrote it: each shard file is first checked by one streaming pass.
+
+Bytes read are each rank's ``rchar`` (/proc/self/io: every byte read()/pread() returned, page cache or not; a
+memory-mapped same-topology plain load reads through the page cache and counts little).
 
 Each rank loads into a dict of CPU tensors of its new shape (``load_checkpoint(model=dict)``), so the numbers
 are the library's read + reshard + apply, not a device transfer. Reported per case: load time (slowest rank,
@@ -95,17 +100,44 @@ def worker(args) -> None:
     dist.barrier()
     sampler = RssSampler().start()
     base = sampler.peak
+    rchar = _rchar()
     t0 = time.perf_counter()
-    nxd_ckpt.load_checkpoint(args.dir, "s", model=sd)
+    nxd_ckpt.load_checkpoint(args.dir, args.tag, model=sd)
     elapsed = time.perf_counter() - t0
+    read_mb = (_rchar() - rchar) / MB
     peak = sampler.stop()
     rows = [None] * dist.get_world_size()
-    dist.all_gather_object(rows, {"load_s": elapsed, "rss_peak_above_mb": (peak - base) / MB,
+    dist.all_gather_object(rows, {"load_s": elapsed, "rss_peak_above_mb": (peak - base) / MB, "read_mb": read_mb,
                                   "new_shard_mb": new_bytes / MB, "largest_source_tensor_mb": largest_src / MB})
     if dist.get_rank() == 0:
         with open(args.result, "w") as f:
             json.dump(rows, f)
     _shut_down(dist, ps)
+
+
+def _rchar() -> int:
+    with open("/proc/self/io") as f:
+        return next(int(ln.split()[1]) for ln in f if ln.startswith("rchar:"))
+
+
+def _old_manifest_copy(root: str, tag: str, old: str) -> None:
+    """``old``: ``tag`` with its files hard-linked and a manifest without per-record sums (sealed again)."""
+    import shutil
+
+    from nxd_ckpt import layout, manifest
+
+    shutil.copytree(os.path.join(root, tag), os.path.join(root, old), copy_function=os.link)
+    path = os.path.join(root, old, layout.MANIFEST_FILE)
+    with open(path) as f:
+        doc = json.load(f)
+    doc["tag"] = old
+    for e in doc["files"].values():
+        e.pop("ranges", None)
+    body = json.dumps(doc, indent=1).encode()
+    for name, data in ((layout.MANIFEST_FILE, body), (layout.DONE_MARKER, manifest.seal(body))):
+        os.unlink(os.path.join(root, old, name))      # hard links: replace, never write through
+        with open(os.path.join(root, old, name), "wb") as f:
+            f.write(data)
 
 
 def _shut_down(dist, ps) -> None:
@@ -128,7 +160,8 @@ def _torchrun(args, nproc: int, extra) -> None:
         raise SystemExit(f"bench_reshard.py: {' '.join(extra)} failed (exit {proc.returncode}):\n{tail}")
 
 
-CASES = {"same": ("2", "1"), "reshard": ("1", "2")}   # (tp, pp) of the loading job, 2 ranks each
+# (tp, pp, tag) of the loading job, 2 ranks each
+CASES = {"same": ("2", "1", "s"), "reshard": ("1", "2", "s"), "reshard_streamed": ("1", "2", "s_old")}
 
 
 def run(args) -> dict:
@@ -138,20 +171,25 @@ def run(args) -> dict:
 
     shutil.rmtree(args.dir, ignore_errors=True)
     _torchrun(args, 2, ["--worker", "save", "--tp", "2", "--format", args.format])
+    cases = {c: v for c, v in CASES.items() if args.format == "plain" or c != "reshard_streamed"}
+    if "reshard_streamed" in cases:
+        _old_manifest_copy(args.dir, "s", "s_old")
     cache = Cache()
-    rounds = {c: [] for c in CASES}
+    rounds = {c: [] for c in cases}
     for _ in range(args.repeat):
-        for case, (tp, pp) in CASES.items():
+        for case, (tp, pp, tag) in cases.items():
             cache.drop(args.dir)
             result = os.path.join(args.dir, f"result_{case}.json")
-            _torchrun(args, 2, ["--worker", "load", "--tp", tp, "--pp", pp, "--src-tp", "2", "--result", result])
+            _torchrun(args, 2, ["--worker", "load", "--tp", tp, "--pp", pp, "--src-tp", "2", "--result", result,
+                                "--tag", tag])
             with open(result) as f:
                 rounds[case].append(json.load(f))
     out = {"hidden": args.hidden, "layers": args.layers, "vocab": args.vocab, "format": args.format,
            "cache": cache.mode, "cases": {}}
     for case, rs in rounds.items():
         out["cases"][case] = {
-            "tp_pp": CASES[case],
+            "tp_pp": CASES[case][:2],
+            "read_mb_per_rank_max": max(r["read_mb"] for rows in rs for r in rows),
             "load_s_median": statistics.median(max(r["load_s"] for r in rows) for rows in rs),
             "load_s_rounds": [max(r["load_s"] for r in rows) for rows in rs],
             "rss_peak_above_mb_max": max(r["rss_peak_above_mb"] for rows in rs for r in rows),
@@ -177,6 +215,7 @@ def main(argv=None) -> int:
     p.add_argument("--pp", type=int, default=1, help=argparse.SUPPRESS)
     p.add_argument("--src-tp", type=int, default=2, help=argparse.SUPPRESS)
     p.add_argument("--result", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--tag", default="s", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
         worker(args)
@@ -185,7 +224,7 @@ def main(argv=None) -> int:
     for case, r in out["cases"].items():
         print(f"{case:8s} TP={r['tp_pp'][0]} PP={r['tp_pp'][1]}: load {r['load_s_median']:.3f}s "
               f"(rounds {', '.join(f'{x:.3f}' for x in r['load_s_rounds'])}); RSS peak above pre-load "
-              f"{r['rss_peak_above_mb_max']:.0f} MB; new shard {r['new_shard_mb']:.0f} MB, largest source tensor "
+              f"{r['rss_peak_above_mb_max']:.0f} MB; read per rank {r['read_mb_per_rank_max']:.0f} MB; new shard {r['new_shard_mb']:.0f} MB, largest source tensor "
               f"{r['largest_source_tensor_mb']:.0f} MB")
     print(f"reshard / same-topology load time: {out['reshard_over_same']:.2f}x (target <= 1.3x)")
     if args.out:

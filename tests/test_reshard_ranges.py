@@ -3,10 +3,12 @@
 A model and its Adam state saved at TP=2 as plain ``torch.save`` shards (one file per shard) is resharded for
 each rank of TP=4, through a Storage that counts every byte read. Per rank and shard file: the ranged reads are
 the file's non-tensor bytes (zip directory, headers, pickle) plus only the tensors that overlap the rank's new
-shard, each read once; with a manifest the file is also checked by one streaming pass (bounded: no whole-file
-read); without one (an NxD checkpoint) nothing else is read. On POSIX and on an object store (``objdir://``,
-where each range is a ranged GET). The source tensors alive at any moment never exceed
-the rank's new shard plus the largest source tensor it reads."""
+shard, each read once. With our manifest every read is exactly one of the zip records whose CRC32C the manifest
+records (verified as read; no other pass over the file); with an older manifest (no per-record sums) each file is
+first checked by one streaming pass; without one (an NxD checkpoint) each record read is checked against the zip's
+own CRC-32 and nothing else is read. On POSIX and on an object store (``objdir://``, where each range is a ranged
+GET). The source tensors alive at any moment never exceed the rank's new shard plus the largest source tensor it
+reads. A damaged record is reported by the rank that reads it, naming the file."""
 from __future__ import annotations
 
 import threading
@@ -84,7 +86,7 @@ class _Counting:
     def read(self, relpath, offset=0, length=None):
         data = self._inner.read(relpath, offset, length)
         with self.lock:
-            self.reads.append((relpath, len(data)))
+            self.reads.append((relpath, len(data), offset))
         return data
 
     def crc32c(self, relpath):
@@ -113,8 +115,11 @@ class _Live:
             self.now -= n
 
 
-def _reshard_for(root, tag, rank, with_manifest):
-    """read_resharded for TP rank ``rank`` of 4, through a counting storage; (state, storage, live, model)."""
+def _reshard_for(root, tag, rank, with_manifest, old_manifest=False):
+    """read_resharded for TP rank ``rank`` of 4, through a counting storage; (state, storage, live, model).
+    ``old_manifest``: the manifest as releases before per-record checksums wrote it (no ``ranges``)."""
+    import dataclasses
+
     from nxd_ckpt import loader, manifest as manifest_mod, reshard_load
     from nxd_ckpt.reader import FileReader
     from nxd_ckpt.world import World
@@ -122,6 +127,8 @@ def _reshard_for(root, tag, rank, with_manifest):
 
     storage = _Counting(root)
     manifest = manifest_mod.read(storage, tag) if with_manifest else None
+    if old_manifest:
+        manifest.files = {rel: dataclasses.replace(e, ranges=None) for rel, e in manifest.files.items()}
     saved = loader.saved_topology(storage, tag, manifest)
     model = _Model(4, rank)
     opt = torch.optim.Adam(model.parameters(), lr=0.1)
@@ -160,15 +167,40 @@ def _copy(src_root: str, dst_root: str, tag: str, skip=()) -> None:
             dst.write_bytes(rel, src.read(rel))
 
 
-@pytest.mark.parametrize("with_manifest", [True, False], ids=["ours", "no_manifest"])
-def test_plain_shards_are_read_by_ranges_with_bounded_memory(tp2, tmp_path, with_manifest):
+@pytest.mark.parametrize("kind", ["ours", "old_manifest", "no_manifest"])
+def test_plain_shards_are_read_by_ranges_with_bounded_memory(tp2, tmp_path, kind):
     root, full = tp2
-    if not with_manifest:    # as neuronx-distributed writes it: no manifest to check against
+    if kind == "no_manifest":    # as neuronx-distributed writes it: no manifest to check against
         nxd = root_for("posix" if "://" not in root else "objects", tmp_path / "nxd")
         _copy(root, nxd, "s", skip=("manifest.json",))
         root = nxd
     for rank in range(4):
-        _check_rank(root, "s", rank, with_manifest, full)
+        _check_rank(root, "s", rank, kind != "no_manifest", full, old_manifest=kind == "old_manifest")
+
+
+def test_the_manifest_records_a_crc32c_per_zip_record_of_plain_shards(tp2):
+    """Each plain shard's manifest entry covers every zip record (local header + data) and the central directory
+    with a CRC32C of those bytes; only the 16-byte data descriptors lie outside."""
+    import zipfile
+
+    import crc32c
+
+    from nxd_ckpt import manifest as manifest_mod
+
+    root, _ = tp2
+    st = open_storage(root)
+    man = manifest_mod.read(st, "s")
+    plain = [rel for rel in man.files if rel.endswith("_pp_rank_00.pt")]
+    assert len(plain) == 4
+    for rel in plain:
+        data, entry = st.read(f"s/{rel}"), man.files[rel]
+        infos = zipfile.ZipFile(__import__("io").BytesIO(data)).infolist()
+        assert [r.offset for r in entry.ranges[:-1]] == [i.header_offset for i in infos]
+        gaps = [b.offset - a.end for a, b in zip(entry.ranges, entry.ranges[1:])]
+        assert set(gaps) == {16} and entry.ranges[-1].end == len(data) == entry.size
+        for r in entry.ranges:
+            assert f"{crc32c.crc32c(data[r.offset:r.end]):08x}" == r.crc32c
+    assert all(e.ranges is None for rel, e in man.files.items() if rel not in plain)
 
 
 @pytest.mark.parametrize("tp2", ["posix"], indirect=True)     # copied from the POSIX save
@@ -179,8 +211,8 @@ def test_plain_shards_on_s3_are_read_by_ranged_gets(tp2, s3_url):
     _check_rank(s3_url, "s", 1, True, full)
 
 
-def _check_rank(root: str, tag: str, rank: int, with_manifest: bool, full) -> None:
-    out, storage, live, model = _reshard_for(root, tag, rank, with_manifest)
+def _check_rank(root: str, tag: str, rank: int, with_manifest: bool, full, old_manifest: bool = False) -> None:
+    out, storage, live, model = _reshard_for(root, tag, rank, with_manifest, old_manifest)
     # values: this rank's TP=4 shard of the full state, bit for bit
     for k, p in model.named_parameters():
         want = {f: split_tp(full[k][f], PARTS[k], 4, rank) for f in ("param", "exp_avg", "exp_avg_sq")}
@@ -193,7 +225,7 @@ def _check_rank(root: str, tag: str, rank: int, with_manifest: bool, full) -> No
         for folder in ("model", "optim"):
             rel = f"{folder}/dp_rank_00_tp_rank_{r:02d}_pp_rank_00.pt"
             size = storage.size(f"{tag}/{rel}")
-            got = sum(n for p, n in storage.reads if p == f"{tag}/{rel}")
+            got = sum(n for p, n, _o in storage.reads if p == f"{tag}/{rel}")
             moments = 2 if folder == "optim" else 1
             tensors = moments * sum(_nbytes(k) for k in SHAPES)        # every key's saved shard
             want = moments * sum(_nbytes(k) for k in needed[r])
@@ -203,11 +235,54 @@ def _check_rank(root: str, tag: str, rank: int, with_manifest: bool, full) -> No
             overhead = size - tensors          # zip directory, headers, pickle (and the steps)
             assert want <= got <= want + overhead, (rank, rel, got, want, overhead, size)
             assert got < size or want == tensors, (rank, rel, got, size)
-    if with_manifest:     # each file it opened checked once against the manifest, by a streaming pass
-        assert sorted(storage.streamed) == sorted(set(p for p, _ in storage.reads))
+    if old_manifest:     # each file it opened checked once against the manifest, by a streaming pass
+        assert sorted(storage.streamed) == sorted(set(p for p, _n, _o in storage.reads))
     else:
         assert storage.streamed == []
+    if with_manifest and not old_manifest:   # every read is one whole checksummed record, each read once
+        from nxd_ckpt import manifest as manifest_mod
+        files = manifest_mod.read(open_storage(root), tag).files
+        reads = [(p, o, n) for p, n, o in storage.reads]
+        assert len(reads) == len(set(reads))
+        for p, o, n in reads:
+            assert (o, n) in {(r.offset, r.length) for r in files[p[len(tag) + 1:]].ranges}, (p, o, n)
     new_shard = sum(3 * t.nbytes for t in model.parameters())           # parameter + two moments
     largest = max(_nbytes(k) for k in SHAPES)
     assert live.largest <= largest
     assert live.peak <= new_shard + largest, (rank, live.peak, new_shard, largest)
+
+
+def _damage(root: str, rel: str, key: str) -> None:
+    """Flip one byte in the middle of the data of tensor ``key``'s storage record in shard ``rel``."""
+    import xser
+
+    path = f"{root}/{rel}"
+    with open(path, "rb") as f:
+        data = bytearray(f.read())
+    lazy = xser.open_lazy(lambda o, n: bytes(data[o:o + n]), len(data))
+    t = lazy.data[key] if key in lazy.data else None
+    rec, nbytes = lazy._storages[t.untyped_storage()._cdata]
+    data[lazy._data_offset(rec) + nbytes // 2] ^= 0x40
+    with open(path, "wb") as f:
+        f.write(data)
+
+
+@pytest.mark.parametrize("tp2", ["posix"], indirect=True)
+@pytest.mark.parametrize("with_manifest", [True, False], ids=["ours", "no_manifest"])
+def test_a_damaged_record_fails_the_rank_that_reads_it(tp2, tmp_path, with_manifest):
+    """"row" (row-parallel) in saved TP shard 1 is damaged: TP=4 ranks 2 and 3 read it and fail naming the file
+    (our manifest's per-record CRC32C; for an NxD file, the zip's CRC-32); ranks 0 and 1 never read that record."""
+    from nxd_ckpt.errors import CorruptCheckpointError
+
+    root, full = tp2
+    copy = str(tmp_path / "c")
+    _copy(root, copy, "s", skip=() if with_manifest else ("manifest.json",))
+    rel = "s/model/dp_rank_00_tp_rank_01_pp_rank_00.pt"
+    _damage(copy, rel, "row")
+    for rank in (0, 1):
+        _check_rank(copy, "s", rank, with_manifest, full)
+    for rank in (2, 3):
+        with pytest.raises(CorruptCheckpointError) as err:
+            _reshard_for(copy, "s", rank, with_manifest)
+        want = "fails its checksum on bytes" if with_manifest else "fails the CRC-32 its zip directory records"
+        assert "dp_rank_00_tp_rank_01_pp_rank_00.pt" in str(err.value) and want in str(err.value)

@@ -101,3 +101,44 @@ def test_a_file_with_another_alignment_still_reads_exactly(alignment, reads):
         assert torch.equal(got, state[key]) and got.dtype == state[key].dtype, key
         counts.append(len(log) - before)
     assert max(counts) == reads, counts
+
+
+def test_check_crc32_verifies_each_record_read_against_the_zip():
+    """check_crc32: each record read is checked against the CRC-32 in the zip directory; a view then costs its
+    whole record; damage in a record is named; a file written without CRC-32 (CRC fields 0) reads unchecked."""
+    state = _state()
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    data, log = buf.getvalue(), []
+    lazy = xser.open_lazy(_reader(data, log), len(data), check_crc32=True, name="shard.pt")
+    for key in ("a", "view", "t", "s", "empty", "bf16", "mask"):
+        before = len(log)
+        got = lazy.tensor(lazy.data[key])
+        assert torch.equal(got, state[key]) and got.dtype == state[key].dtype, key
+        if key == "view":     # the whole record (10 int64), not just its 4 elements, so its CRC-32 can be checked
+            assert sum(n for _, n in log[before:]) >= 80
+            assert got.untyped_storage().nbytes() == got.nbytes      # and the rest of the record is not kept
+    rec, nbytes = lazy._storages[lazy.data["a"].untyped_storage()._cdata]
+    bad = bytearray(data)
+    bad[lazy._data_offset(rec) + nbytes - 1] ^= 1
+    damaged = xser.open_lazy(_reader(bytes(bad), []), len(bad), check_crc32=True, name="shard.pt")
+    with pytest.raises(xser.CorruptFileError, match=f"shard.pt: storage record {rec} fails the CRC-32"):
+        damaged.tensor(damaged.data["a"])
+    assert torch.equal(damaged.tensor(damaged.data["bf16"]), state["bf16"])      # other records are intact
+    unchecked = xser.open_lazy(_reader(bytes(bad), []), len(bad), name="shard.pt")
+    assert not torch.equal(unchecked.tensor(unchecked.data["a"]), state["a"])    # without the check: not noticed
+    buf = io.BytesIO()
+    container.save(state, buf)          # CRC fields 0: nothing to check against
+    data = buf.getvalue()
+    lazy = xser.open_lazy(_reader(data, []), len(data), check_crc32=True)
+    assert torch.equal(lazy.tensor(lazy.data["a"]), state["a"])
+
+
+def test_a_damaged_pickle_record_is_named_with_check_crc32():
+    buf = io.BytesIO()
+    torch.save({"n": 12345678}, buf)
+    data = bytearray(buf.getvalue())
+    i = data.index((12345678).to_bytes(4, "little"))
+    data[i] ^= 1
+    with pytest.raises(xser.CorruptFileError, match="data.pkl is truncated or fails the CRC-32"):
+        xser.open_lazy(_reader(bytes(data), []), len(data), check_crc32=True, name="f.pt")

@@ -7,6 +7,11 @@ meta device (right dtype, shape and strides, no bytes). ``LazyFile.tensor(t)`` r
 its span of the record when it is contiguous) into a new CPU tensor. The pickle is read as ``torch.load`` reads it:
 ``weights_only`` unless ``trusted``.
 
+``check_crc32=True`` verifies each record read against the CRC-32 the zip records for it (``torch.save`` writes
+one unless ``compute_crc32`` is off; a record whose CRC field is 0 is taken as having none): the pickle, and each
+tensor's whole record (a tensor that is only part of its record then costs its whole record). For files without
+any other checksum (neuronx-distributed's); the zip directory itself has no checksum.
+
 Used where a process needs a few tensors of a large plain (non-xser) shard: its peak memory is the tensors it
 reads, not the file.
 """
@@ -17,6 +22,7 @@ import pickle
 import struct
 import warnings
 import zipfile
+import zlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Optional, Tuple
 
@@ -43,25 +49,41 @@ class LazyFile:
     _prefix: str
     _storages: Dict[int, Tuple[str, int]]          # meta storage -> (record key, bytes)
     _offsets: Dict[str, int] = field(default_factory=dict)
+    _check_crc32: bool = False
 
     def tensor(self, t):
         """The CPU tensor that ``t`` (a tensor of ``data``) stands for, read from the file; anything else as it is.
-        Reads the tensor's own span of its storage record when it is contiguous, else the whole record."""
+        Reads the tensor's own span of its storage record when it is contiguous (and no CRC-32 is to be checked),
+        else the whole record."""
         if not isinstance(t, torch.Tensor) or t.device.type != "meta":
             return t
         key, nbytes = self._storages[t.untyped_storage()._cdata]
         isz = t.element_size()
-        if t.is_contiguous():
-            start, length = t.storage_offset() * isz, t.numel() * isz
+        start, length = t.storage_offset() * isz, t.numel() * isz
+        if t.is_contiguous() and self._crc32(key) is None:
             out = torch.empty(t.shape, dtype=t.dtype)
             if length:
                 _fill(out.reshape(-1).view(torch.uint8), self._span(key, start, length))
             return out
         storage = torch.empty(nbytes, dtype=torch.uint8)
         if nbytes:
-            _fill(storage, self._span(key, 0, nbytes))
-        return torch.empty((0,), dtype=t.dtype).set_(storage.untyped_storage(), t.storage_offset(), t.shape,
+            data = self._span(key, 0, nbytes)
+            self._check(key, data)
+            _fill(storage, data)
+        view = torch.empty((0,), dtype=t.dtype).set_(storage.untyped_storage(), t.storage_offset(), t.shape,
                                                      t.stride())
+        return view.clone() if t.is_contiguous() and length < nbytes else view
+
+    def _crc32(self, key: str) -> Optional[int]:
+        """The zip's CRC-32 of record ``key`` when it is to be checked, else None."""
+        return _zip_crc(self._info(key)) if self._check_crc32 else None
+
+    def _check(self, key: str, data) -> None:
+        want = self._crc32(key)
+        if want is not None and zlib.crc32(data) != want:
+            raise CorruptFileError(f"{self.name}: storage record {key} fails the CRC-32 its zip directory records "
+                                   f"(expected {want:08x}, found {zlib.crc32(data):08x}): the file is damaged; "
+                                   "restore it from a complete copy", path=self.name)
 
     def _exact(self, offset: int, length: int, key: str) -> bytes:
         data = self._read(offset, length)
@@ -121,10 +143,17 @@ def _fill(dst: torch.Tensor, data: bytes) -> None:
         dst.copy_(torch.frombuffer(data, dtype=torch.uint8))
 
 
-def open_lazy(read: ReadRange, size: int, *, trusted: bool = False, name: str = "<file>") -> Optional[LazyFile]:
+def _zip_crc(info: zipfile.ZipInfo) -> Optional[int]:
+    """A record's CRC-32 as its zip directory records it; None when the writer recorded none (0 for bytes)."""
+    return info.CRC if info.CRC or not info.file_size else None
+
+
+def open_lazy(read: ReadRange, size: int, *, trusted: bool = False, name: str = "<file>",
+              check_crc32: bool = False) -> Optional[LazyFile]:
     """The file of ``size`` bytes behind ``read``, with its pickle unpickled and no tensor read; None when it is not
     a zip ``torch.save`` file whose records are stored uncompressed in little-endian byte order (a legacy file:
-    read it whole). Raises xser's errors: CorruptFileError, UnsafeCheckpointError."""
+    read it whole). ``check_crc32``: verify every record read against the zip's own CRC-32 (module docstring).
+    Raises xser's errors: CorruptFileError, UnsafeCheckpointError."""
     try:
         zf = zipfile.ZipFile(RangeFile(read, size))
     except zipfile.BadZipFile:
@@ -135,21 +164,29 @@ def open_lazy(read: ReadRange, size: int, *, trusted: bool = False, name: str = 
     prefix = pkl[0][:-len("data.pkl")]
     if any(i.compress_type != zipfile.ZIP_STORED for i in zf.infolist()):
         return None
-    if f"{prefix}byteorder" in zf.namelist() and _record(zf, f"{prefix}byteorder", read).strip() != b"little":
+    if f"{prefix}byteorder" in zf.namelist() and \
+            _record(zf, f"{prefix}byteorder", read, check_crc32, name).strip() != b"little":
         return None
     storages: Dict[int, Tuple[str, int]] = {}
     with _load_errors(name, trusted), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="TypedStorage is deprecated")   # the pickle names typed storages
-        data = _unpickle(_record(zf, pkl[0], read), trusted, storages)
-    return LazyFile(data, name, read, zf, prefix, storages)
+        data = _unpickle(_record(zf, pkl[0], read, check_crc32, name), trusted, storages)
+    return LazyFile(data, name, read, zf, prefix, storages, _check_crc32=check_crc32)
 
 
-def _record(zf: zipfile.ZipFile, record: str, read: ReadRange) -> bytes:
-    """A small record read whole (zipfile checks its CRC-32 unless torch wrote none)."""
+def _record(zf: zipfile.ZipFile, record: str, read: ReadRange, check_crc32: bool, name: str) -> bytes:
+    """A small record read whole; with ``check_crc32``, checked against the zip's CRC-32 when it has one."""
     info = zf.getinfo(record)
     head = read(info.header_offset, _LOCAL_HEADER.size)
+    if len(head) != _LOCAL_HEADER.size or head[:4] != zipfile.stringFileHeader:
+        raise CorruptFileError(f"{name}: the zip header of record {record} is damaged", path=name)
     fields = _LOCAL_HEADER.unpack(head)
-    return read(info.header_offset + _LOCAL_HEADER.size + fields[10] + fields[11], info.file_size)
+    data = read(info.header_offset + _LOCAL_HEADER.size + fields[10] + fields[11], info.file_size)
+    want = _zip_crc(info) if check_crc32 else None
+    if len(data) != info.file_size or (want is not None and zlib.crc32(data) != want):
+        raise CorruptFileError(f"{name}: record {record} is truncated or fails the CRC-32 its zip directory "
+                               "records: the file is damaged; restore it from a complete copy", path=name)
+    return data
 
 
 def _unpickle(pkl: bytes, trusted: bool, storages: Dict[int, Tuple[str, int]]):

@@ -33,14 +33,19 @@ def set_write_hook(hook: Optional[Callable[[str], None]]) -> None:
 
 @dataclass(frozen=True)
 class FileRecord:
-    """What was written: path relative to the tag directory, byte count and CRC32C of those bytes."""
+    """What was written: path relative to the tag directory, byte count and CRC32C of those bytes; ``ranges``:
+    (offset, length, CRC32C) of byte ranges checksummed on their own (a plain shard's zip records), or None."""
 
     relpath: str
     size: int
     crc32c: int
+    ranges: Optional[Tuple[Tuple[int, int, int], ...]] = None
 
     def to_json(self) -> dict:
-        return {"size": self.size, "crc32c": f"{self.crc32c:08x}"}
+        out: dict = {"size": self.size, "crc32c": f"{self.crc32c:08x}"}
+        if self.ranges is not None:
+            out["ranges"] = [[o, n, f"{c:08x}"] for o, n, c in self.ranges]
+        return out
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,109 @@
+"""Byte ranges of one file, each verified against the CRC32C the manifest records for it (``FileEntry.ranges``:
+a plain shard's zip records), so a reader that needs a few tensors of a large file reads and checks just those.
+
+``CheckedRanges.read(offset, length)`` reads every recorded range the request touches, whole, checks each, and
+returns the requested bytes; small ranges (zip headers, the pickle, the central directory) are kept once checked,
+since the zip reader asks for them in several small pieces. A request that touches bytes no range covers (a zip
+data descriptor, which no reader here uses) falls back to one streaming check of the whole file, once.
+``stream_mismatch`` is the whole-file check that also checks every range, in one pass (``verify``).
+"""
+from __future__ import annotations
+
+import bisect
+import threading
+from typing import Callable, Dict, List, Optional
+
+import crc32c as _crc32c
+
+from .errors import CorruptCheckpointError
+from .manifest import FileEntry, RangeSum
+from .storage.base import READ_BLOCK
+
+_KEEP = 1 << 20          # ranges up to this size are kept once checked (headers, pickle, zip directory)
+
+
+def covering(ranges, start: int, end: int) -> Optional[List[RangeSum]]:
+    """The ranges that together cover ``[start, end)`` (sorted, disjoint ``ranges``), or None when a byte of it
+    lies in no range."""
+    i = bisect.bisect_right([r.offset for r in ranges], start) - 1
+    out, at = [], start
+    while at < end:
+        if i < 0 or i >= len(ranges) or not ranges[i].offset <= at < ranges[i].end:
+            return None
+        out.append(ranges[i])
+        at, i = ranges[i].end, i + 1
+    return out
+
+
+class CheckedRanges:
+    """``read`` of one file (``raw(offset, length) -> bytes``) whose bytes are checked against ``entry.ranges``;
+    ``whole_check()`` checks the whole file (used once if a request falls outside the ranges). ``where`` and
+    ``hint`` word the CorruptCheckpointError. Thread-safe."""
+
+    def __init__(self, raw: Callable[[int, int], bytes], entry: FileEntry, where: str, hint: str,
+                 whole_check: Callable[[], None]):
+        self._raw, self._entry, self._where, self._hint = raw, entry, where, hint
+        self._whole_check = whole_check
+        self._kept: Dict[int, bytes] = {}
+        self._whole_done = False
+        self._lock = threading.Lock()
+
+    def read(self, offset: int, length: int) -> bytes:
+        length = max(0, min(length, self._entry.size - offset))
+        if length == 0:
+            return b""
+        ranges = covering(self._entry.ranges, offset, offset + length)
+        if ranges is None:
+            with self._lock:
+                if not self._whole_done:
+                    self._whole_check()
+                    self._whole_done = True
+            return self._raw(offset, length)
+        parts = [self._checked(r) for r in ranges]
+        blob = parts[0] if len(parts) == 1 else b"".join(parts)
+        lo = offset - ranges[0].offset
+        return blob if lo == 0 and length == len(blob) else bytes(memoryview(blob)[lo:lo + length])
+
+    def _checked(self, r: RangeSum) -> bytes:
+        kept = self._kept.get(r.offset)
+        if kept is not None:
+            return kept
+        data = self._raw(r.offset, r.length)
+        if len(data) != r.length:
+            raise CorruptCheckpointError(
+                f"{self._where} is truncated: bytes {r.offset}..{r.end} end after {len(data)} "
+                f"bytes{'; ' + self._hint if self._hint else ''}", path=self._where)
+        problem = self._entry.range_mismatch(r, _crc32c.crc32c(data))
+        if problem is not None:
+            raise CorruptCheckpointError(f"{self._where} {problem}{'; ' + self._hint if self._hint else ''}",
+                                         path=self._where, expected=r.crc32c,
+                                         found=f"{_crc32c.crc32c(data):08x}")
+        if r.length <= _KEEP:
+            self._kept[r.offset] = data
+        return data
+
+
+def stream_mismatch(raw: Callable[[int, int], bytes], entry: FileEntry) -> Optional[str]:
+    """What is wrong with the file against ``entry``: its size, its whole CRC32C, then each of its ranges' (first
+    failing one), all in one streaming pass of READ_BLOCK reads; None when all match."""
+    ranges = entry.ranges or ()
+    crc = rcrc = pos = ri = 0
+    problem = None
+    while pos < entry.size:
+        block = raw(pos, min(READ_BLOCK, entry.size - pos))
+        if not block:
+            break
+        mv = memoryview(block).cast("B")
+        crc = _crc32c.crc32c(mv, crc)
+        end = pos + len(mv)
+        while ri < len(ranges) and ranges[ri].offset < end:
+            r = ranges[ri]
+            lo, hi = max(r.offset, pos), min(r.end, end)
+            if hi > lo:
+                rcrc = _crc32c.crc32c(mv[lo - pos:hi - pos], rcrc)
+            if r.end > end:
+                break
+            problem = problem or entry.range_mismatch(r, rcrc)
+            rcrc, ri = 0, ri + 1
+        pos = end
+    return entry.mismatch(pos, crc) or problem

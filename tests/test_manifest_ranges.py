@@ -1,0 +1,143 @@
+"""Per-record CRC32C of plain shards: taken while torch.save writes (xser.RecordSums), recorded in the manifest
+(FileEntry.ranges; older manifests have none), checked by readers of a few records (rangecheck.CheckedRanges)
+and by verify (rangecheck.stream_mismatch: the whole file and each record in one pass)."""
+from __future__ import annotations
+
+import io
+import json
+import os
+import zipfile
+
+import crc32c
+import pytest
+import torch
+from harness import run_ranks
+
+import xser
+from nxd_ckpt import manifest as manifest_mod
+from nxd_ckpt.cli import main
+from nxd_ckpt.errors import CorruptCheckpointError
+from nxd_ckpt.manifest import FileEntry
+from nxd_ckpt.rangecheck import CheckedRanges, covering, stream_mismatch
+from xser import container
+
+
+def _state():
+    g = torch.Generator().manual_seed(1)
+    return {"a": torch.randn(300, generator=g), "b": torch.randn(4, 4, generator=g).t(), "e": torch.empty(0),
+            "v": torch.arange(10)[3:7], "n": 3}
+
+
+def _summed(save=torch.save):
+    buf = io.BytesIO()
+    sums = xser.RecordSums(buf)
+    save(_state(), sums)
+    data = buf.getvalue()
+    ranges = sums.ranges()
+    entry = FileEntry.from_json({"size": len(data), "crc32c": f"{crc32c.crc32c(data):08x}",
+                                 "ranges": [[o, n, f"{c:08x}"] for o, n, c in ranges]})
+    return data, entry
+
+
+@pytest.mark.parametrize("save", [torch.save, container.save], ids=["torch.save", "no_crc"])
+def test_record_sums_cover_every_record_and_the_directory(save):
+    data, entry = _summed(save)
+    infos = zipfile.ZipFile(io.BytesIO(data)).infolist()
+    assert [r.offset for r in entry.ranges[:-1]] == [i.header_offset for i in infos]
+    for r, i in zip(entry.ranges, infos):   # the local header and the data; a data descriptor (16) left out
+        assert data[r.end:r.end + 4] in (b"PK\x07\x08", b"PK\x03\x04", b"PK\x01\x02"), i.filename
+        assert data[r.end - i.file_size:r.end] == zipfile.ZipFile(io.BytesIO(data)).open(i).read() if \
+            save is torch.save else True
+    assert entry.ranges[-1].end == len(data) and data[entry.ranges[-1].offset:][:4] == b"PK\x01\x02"
+    for r in entry.ranges:
+        assert f"{crc32c.crc32c(data[r.offset:r.end]):08x}" == r.crc32c
+
+
+def test_another_writers_layout_gives_no_ranges():
+    """A zip written by Python's zipfile (no separate header writes): no ranges, so readers check the file whole."""
+    sums = xser.RecordSums(io.BytesIO())
+    with zipfile.ZipFile(sums, "w") as zf:
+        zf.writestr("archive/data.pkl", b"x" * 100)
+    assert sums.ranges() is None
+
+
+def test_entry_json_round_trip_and_old_manifests():
+    _, entry = _summed()
+    assert FileEntry.from_json(json.loads(json.dumps(entry.to_json()))) == entry
+    old = FileEntry.from_json({"size": 10, "crc32c": "00000000", "rank": 3})
+    assert old.ranges is None and old.to_json() == {"size": 10, "crc32c": "00000000", "rank": 3}
+    with pytest.raises(ValueError, match="overlap or run past"):
+        FileEntry.from_json({"size": 100, "crc32c": "0", "ranges": [[0, 50, "0"], [40, 10, "0"]]})
+    with pytest.raises(ValueError, match="overlap or run past"):
+        FileEntry.from_json({"size": 100, "crc32c": "0", "ranges": [[90, 20, "0"]]})
+
+
+def test_checked_ranges_read_only_and_verify_what_is_asked():
+    data, entry = _summed()
+    log = []
+
+    def raw(o, n):
+        log.append((o, n))
+        return data[o:o + n]
+
+    whole = []
+    lazy = xser.open_lazy(CheckedRanges(raw, entry, "f.pt", "", lambda: whole.append(1)).read, len(data), name="f.pt")
+    for k in ("a", "b", "e", "v"):
+        assert torch.equal(lazy.tensor(lazy.data[k]), _state()[k]), k
+    assert whole == [] and len(log) == len(set(log))
+    assert all((o, n) in {(r.offset, r.length) for r in entry.ranges} for o, n in log)
+    gap = entry.ranges[0].end                   # a data descriptor: outside every range
+    assert covering(entry.ranges, gap, gap + 4) is None
+    reader = CheckedRanges(raw, entry, "f.pt", "", lambda: whole.append(1))
+    assert reader.read(gap, 4) == b"PK\x07\x08" and reader.read(gap, 4) and whole == [1]   # the whole check, once
+    bad = bytearray(data)
+    rec = entry.ranges[4]
+    bad[rec.end - 1] ^= 1
+    reader = CheckedRanges(lambda o, n: bytes(bad[o:o + n]), entry, "f.pt", "restore it", lambda: None)
+    with pytest.raises(CorruptCheckpointError, match=f"f.pt fails its checksum on bytes {rec.offset}..{rec.end}.*"
+                                                     "restore it"):
+        reader.read(rec.offset + 10, 4)
+    assert reader.read(entry.ranges[3].offset, 8) == data[entry.ranges[3].offset:][:8]    # the others are intact
+
+
+def test_stream_mismatch_checks_the_file_and_each_record():
+    data, entry = _summed()
+    read = lambda o, n: data[o:o + n]  # noqa: E731
+    assert stream_mismatch(read, entry) is None
+    r = entry.ranges[2]
+    wrong = FileEntry(entry.size, entry.crc32c, None,
+                      entry.ranges[:2] + (manifest_mod.RangeSum(r.offset, r.length, "deadbeef"),) + entry.ranges[3:])
+    assert stream_mismatch(read, wrong) == (f"fails its checksum on bytes {r.offset}..{r.end}: expected crc32c "
+                                            f"deadbeef, found {r.crc32c} (damaged)")
+
+
+def _save_plain(rank, world, root):
+    import nxd_ckpt
+    import parallel_state as ps
+
+    ps.initialize_model_parallel()
+    model = torch.nn.Linear(8, 8)
+    nxd_ckpt.save_checkpoint(root, "t", model=model, use_xser=False)
+    nxd_ckpt.finalize_checkpoint()
+    return True
+
+
+def test_verify_checks_each_record_of_a_plain_shard(tmp_path, capsys):
+    """verify passes a plain tag, and reports a record whose recorded CRC32C disagrees even when the file's own
+    CRC32C matches (a manifest re-sealed with one wrong record sum)."""
+    root = str(tmp_path / "ck")
+    assert run_ranks(_save_plain, 1, root, timeout=120) == [True]
+    assert main(["verify", f"{root}/t"]) == 0
+    path = f"{root}/t/{manifest_mod.layout.MANIFEST_FILE}"
+    doc = json.load(open(path))
+    rel = "model/dp_rank_00_tp_rank_00_pp_rank_00.pt"
+    assert doc["files"][rel]["ranges"]
+    doc["files"][rel]["ranges"][1][2] = "00000000"
+    body = json.dumps(doc).encode()
+    open(path, "wb").write(body)
+    open(f"{root}/t/done", "wb").write(manifest_mod.seal(body))
+    capsys.readouterr()
+    assert main(["verify", f"{root}/t"]) == 1
+    out = capsys.readouterr()
+    assert rel in out.out + out.err and "fails its checksum on bytes" in out.out + out.err
+    assert os.path.exists(f"{root}/t/{rel}")
