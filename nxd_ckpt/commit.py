@@ -337,19 +337,18 @@ def complete_tags(storage: Storage) -> List[str]:
     return [t.tag for t in scan_tags(storage) if t.complete]
 
 
-def delete_tag(storage: Storage, name: str) -> None:
+def delete_tag(storage: Storage, name: str, seen: Optional[Storage] = None) -> None:
     """Remove a tag so that an interrupted delete never leaves a complete-looking directory, nor one that
-    retention no longer recognises: `done` first, then the manifest. On POSIX the directory is then
-    renamed to ``<name>.nxdold`` before its files go (debris recognised by name). Without rename, the
-    `checkpoint` marker goes last, so what a crash leaves is still an incomplete tag (``_is_tag_dir``)."""
+    retention no longer recognises: `done` first. On POSIX the manifest next, then the directory is
+    renamed to ``<name>.nxdold`` before its files go (debris recognised by name). Without rename see
+    ``_delete_objects``. ``seen``: a listing the caller already holds (retention's), which names the tag's
+    objects without another LIST."""
     storage.remove_file(f"{name}/{layout.DONE_MARKER}")
+    if not storage.caps.rename:
+        _delete_objects(storage, name, seen or storage)
+        return
     storage.remove_file(f"{name}/{layout.MANIFEST_FILE}")
     storage.sync_dirs([name])
-    if not storage.caps.rename:
-        marker = f"{name}/{layout.CHECKPOINT_MARKER}"
-        storage.delete_many([k for k in storage.list(name) if k != marker])
-        storage.remove_file(marker)
-        return
     if not _is_special(name):
         doomed = f"{name}{OLD_SUFFIX}"
         try:
@@ -359,6 +358,16 @@ def delete_tag(storage: Storage, name: str) -> None:
         except OSError:
             pass   # remove it in place
     storage.remove_tree(name)
+
+
+def _delete_objects(storage: Storage, name: str, seen: Storage) -> None:
+    """An object store's tag whose `done` is gone: every object but the `checkpoint` marker in batched
+    deletes (the manifest among them), the marker last. Whatever part of a batch a crash leaves is still an
+    incomplete tag (``_is_tag_dir``: the manifest, or the marker with model/ or optim/ or only rank 0's
+    small files), which the next successful save removes."""
+    marker, done = f"{name}/{layout.CHECKPOINT_MARKER}", f"{name}/{layout.DONE_MARKER}"
+    storage.delete_many([k for k in seen.list(name) if k not in (marker, done)])
+    storage.remove_file(marker)
 
 
 def apply_retention(storage: Storage, num_kept: Optional[int], protected: Iterable[str] = (),
@@ -392,7 +401,7 @@ def apply_retention(storage: Storage, num_kept: Optional[int], protected: Iterab
     doomed = [t for t in doomed if _is_special(t) or _is_tag_dir(seen, t)]
     for name in doomed:
         log.info("nxd_ckpt: retention removes %s", name)
-        delete_tag(storage, name)
+        delete_tag(storage, name, seen)
     if doomed:
         storage.sync_dirs([""])
     return doomed

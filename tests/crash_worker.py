@@ -270,7 +270,7 @@ def arm(phase: str, rank: int, victim: bool, everyone: bool, second: str = SECON
 
         def delete_one_then_die(self, relpaths):
             relpaths = list(relpaths)
-            if len(relpaths) > 1:        # the bulk delete of a tag's objects (after `done` and the manifest)
+            if len(relpaths) > 1:        # the bulk delete of a tag's objects, the manifest first (after `done`)
                 original_delete(self, relpaths[:1])
                 die()
             original_delete(self, relpaths)

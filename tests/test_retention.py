@@ -190,9 +190,9 @@ def test_at_most_num_kept_plus_one_tags_on_disk(tmp_path, monkeypatch):
 
     original_delete = commit.delete_tag
 
-    def sampling_delete(storage, name):
+    def sampling_delete(storage, name, *rest):
         sample()
-        original_delete(storage, name)
+        original_delete(storage, name, *rest)
         sample()
 
     monkeypatch.setattr(commit, "delete_tag", sampling_delete)

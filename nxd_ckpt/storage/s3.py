@@ -29,7 +29,9 @@ import crc32c as _crc32c
 from .base import AlreadyExistsError, FileRecord, Sink, Stat
 from .objects import Bucket
 
-PART_SIZE = 32 << 20          # multipart part size, and the threshold for a multipart upload
+PART_SIZE = 16 << 20          # the first parts' size, and the threshold for a multipart upload
+PARTS_PER_SIZE = 1000         # every this many parts the part size doubles (S3: at most 10,000 parts)
+MAX_PART_SIZE = 5 << 30       # S3's largest part
 RANGE_SIZE = 32 << 20         # ranged GET size for large objects
 DEFAULT_TIMEOUT_S = 1800.0
 BACKOFF_BASE_S = 0.1
@@ -44,6 +46,17 @@ _RETRY_CODES = {"SlowDown", "Throttling", "ThrottlingException", "RequestTimeout
 
 class S3Error(OSError):
     """An S3 request failed for good (not retryable, or retried until the deadline)."""
+
+
+class _RangeNotSatisfiable(S3Error):
+    """A ranged GET that starts at or past the object's end (S3's 416 InvalidRange)."""
+
+
+def part_size(number: int) -> int:
+    """The size of part ``number`` (1-based) of a multipart upload, the last one excepted. Small parts keep
+    the upload close behind the producer (the last part's upload is a tail after the file is produced);
+    doubling every PARTS_PER_SIZE parts keeps a file of up to S3's 5 TB object limit within 10,000 parts."""
+    return min(MAX_PART_SIZE, PART_SIZE << ((number - 1) // PARTS_PER_SIZE))
 
 
 def _b64_crc(crc: int) -> str:
@@ -122,6 +135,8 @@ class S3Bucket(Bucket):
                     raise FileNotFoundError(f"s3://{self.name}/{key}") from None
                 if code == "PreconditionFailed" or status == 412:
                     raise AlreadyExistsError(f"s3://{self.name}/{key} already exists") from None
+                if code == "InvalidRange" or status == 416:
+                    raise _RangeNotSatisfiable(f"s3://{self.name}/{key}: {kw.get('Range')} starts past its end")
                 if code not in _RETRY_CODES and status not in (500, 502, 503, 504):
                     raise S3Error(f"S3 {op} of s3://{self.name}/{key} failed: {code}: {exc}") from exc
                 last = f"{code} (HTTP {status})"
@@ -141,14 +156,10 @@ class S3Bucket(Bucket):
 
     def get(self, key: str, offset: int = 0, length: Optional[int] = None) -> bytes:
         if length is None:
-            size = self.head(key).size
-            length = max(0, size - offset)
-            if length > RANGE_SIZE:
-                return self._get_parallel(key, offset, length)
+            return self._get_to_end(key, offset)
         if length == 0:
             return b""
-        rng = f"bytes={offset}-{offset + length - 1}"
-        return self._read_body(key, Range=rng)
+        return self._read_body(key, Range=f"bytes={offset}-{offset + length - 1}")
 
     def _read_body(self, key: str, **kw) -> bytes:
         # The body is read inside the retried call: a connection dropped mid-body is retried as well.
@@ -157,17 +168,39 @@ class S3Bucket(Bucket):
 
         return self.call("get_object", key, fn=get_and_read, Key=key, **kw)
 
-    def _get_parallel(self, key: str, offset: int, length: int) -> bytes:
+    def _get_to_end(self, key: str, offset: int) -> bytes:
+        """From ``offset`` to the end without asking the size first (no HEAD): one ranged GET of up to
+        RANGE_SIZE bytes, whose Content-Range names the object's size; a larger object's other ranges are
+        requested in parallel as soon as that response's headers arrive, while its body is read."""
+        first = f"bytes={offset}-{offset + RANGE_SIZE - 1}"
+        try:
+            resp = self.call("get_object", key, Key=key, Range=first)
+        except _RangeNotSatisfiable:
+            return b""                  # an empty object, or offset at or past the end
+        size = int(resp["ContentRange"].rsplit("/", 1)[1])
+        length = max(0, size - offset)
+        if length <= RANGE_SIZE:
+            return self._read_first(key, resp, first)
         out = bytearray(length)
-        ranges = [(o, min(RANGE_SIZE, length - o)) for o in range(0, length, RANGE_SIZE)]
+        rest = [(o, min(RANGE_SIZE, length - o)) for o in range(RANGE_SIZE, length, RANGE_SIZE)]
 
         def fetch(r: Tuple[int, int]) -> None:
             o, n = r
             out[o:o + n] = self._read_body(key, Range=f"bytes={offset + o}-{offset + o + n - 1}")
 
-        for _ in self._pool.map(fetch, ranges):
-            pass
+        futures = [self._pool.submit(fetch, r) for r in rest]
+        out[:RANGE_SIZE] = self._read_first(key, resp, first)
+        for f in futures:
+            f.result()
         return bytes(out)
+
+    def _read_first(self, key: str, resp: dict, rng: str) -> bytes:
+        """The body of a response whose headers ``call`` returned; a body dropped midway is fetched again
+        through the retries (and the deadline)."""
+        try:
+            return resp["Body"].read()
+        except _transient_errors():
+            return self._read_body(key, Range=rng)
 
     def head(self, key: str) -> Stat:
         resp = self.call("head_object", key, Key=key)
@@ -211,16 +244,17 @@ class _MultipartSink(Sink):
     def write(self, view: memoryview) -> None:
         mv = memoryview(view).cast("B")
         while len(mv):
+            size = part_size(len(self.parts) + 1)
             if self.buf is None:        # a later part of a large file: one allocation, filled in place
-                self.buf, self.fill = bytearray(PART_SIZE), 0
-            n = min(len(mv), PART_SIZE - self.fill)
+                self.buf, self.fill = bytearray(size), 0
+            n = min(len(mv), size - self.fill)
             if self.upload_id is None:
                 self.buf += mv[:n]
             else:
                 self.buf[self.fill:self.fill + n] = mv[:n]
             self.fill += n
             mv = mv[n:]
-            if self.fill == PART_SIZE:
+            if self.fill == size:
                 self._send_part(self.buf)
                 self.buf, self.fill = None, 0
 
