@@ -22,8 +22,8 @@ the one recorded in the manifest or ``.info.pt``, else the caller's parameter's 
 (``expert_model_parallel``; NxD marks none at EP=1, so there the caller's model decides).
 
 Only what this rank needs is read: ref pickles (small), the tensor files of an xser shard one at a time, and of a
-plain (non-xser) shard the byte ranges of the tensors it needs (xser.open_lazy, after one streaming check of the
-file against the manifest). Peak host memory is this rank's new shard plus the source tensors in flight (bounded
+plain (non-xser) shard the zip records of the tensors it needs (xser.open_lazy through FileReader.plain_lazy,
+each record checked by the manifest's per-record CRC32C, or the zip's CRC-32 in an NxD file). Peak host memory is this rank's new shard plus the source tensors in flight (bounded
 by ``inflight_bytes``). Nothing is changed here: the result has the shape of loader._read_parts' and is checked and
 applied by the caller.
 """
