@@ -27,7 +27,7 @@ def save_checkpoint(checkpoint_dir_str, tag, model=None, optimizer=None, schedul
                     num_workers=8, use_xser=False, num_kept_ckpts=None, async_save=False, zero1_optimizer=False,
                     use_zero1_dcp=False, avoid_saving_lower_precision_weights=False,
                     *, host_memory_budget: Optional[int] = None, device_snapshot: bool = False,
-                    timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+                    keep_host_buffers: bool = True, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
     """Save a checkpoint under ``checkpoint_dir_str/tag`` in NxD's layout. Every rank calls it.
 
     Blocks for: argument checks, pickling small state, and the device-to-host snapshot of this rank's
@@ -36,6 +36,11 @@ def save_checkpoint(checkpoint_dir_str, tag, model=None, optimizer=None, schedul
     any rank's failure; with ``async_save=True`` it returns, and a failure is raised on every rank by the
     next save_checkpoint or finalize_checkpoint. Ranks coordinate through the c10d store, never with a
     collective on the training group.
+
+    ``keep_host_buffers=True`` keeps the host buffers of the snapshot after the save (at most
+    ``host_memory_budget`` bytes) so the next save of the same shapes reuses them instead of faulting in
+    fresh memory; ``False`` frees them when this save's files are written (and drops those kept so far).
+    :func:`release_host_buffers` frees them at any time.
     """
     called_at = time.monotonic()
     tag = validate_save_args(checkpoint_dir_str, tag, model, optimizer, scheduler, num_workers, use_xser,
@@ -46,13 +51,15 @@ def save_checkpoint(checkpoint_dir_str, tag, model=None, optimizer=None, schedul
     storage.check_writable("checkpoint_dir")
     if host_memory_budget is not None and (not isinstance(host_memory_budget, int) or host_memory_budget <= 0):
         raise CheckpointArgumentError(f"host_memory_budget must be a positive number of bytes, got {host_memory_budget!r}")
+    if not isinstance(keep_host_buffers, bool):
+        raise CheckpointArgumentError(f"keep_host_buffers must be True or False, got {keep_host_buffers!r}")
     engine = get_engine()
     engine.raise_pending()
     world = current_world()
     plan = build_plan(world, model, optimizer, scheduler, user_content, use_xser, zero1_optimizer,
                       avoid_saving_lower_precision_weights, use_zero1_dcp)
     job = engine.start_job(world, storage, tag, plan, num_kept_ckpts, num_workers, timeout_s,
-                           host_memory_budget, called_at)
+                           host_memory_budget, called_at, keep_host_buffers)
     engine.snapshot(job, plan, on_device=device_snapshot, timeout_s=timeout_s)
     job.stats.stall_s = time.monotonic() - called_at
     job.stats.staged_bytes = plan.staged_bytes()
@@ -66,6 +73,13 @@ def finalize_checkpoint(*, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
     """Block until every save in flight on this rank is committed or failed; raise a failure once.
     Every rank calls it (e.g. at the end of training). No collectives."""
     get_engine().finalize(timeout_s)
+
+
+def release_host_buffers() -> int:
+    """Free the snapshot buffers this process keeps between saves (``keep_host_buffers=True``); buffers of
+    saves still in flight are freed when their files are written. Returns the bytes freed now. Any thread,
+    any time; no communication. The next save allocates (and keeps) its buffers again."""
+    return get_engine().release_buffers()
 
 
 def load_checkpoint(path, tag=None, model=None, optimizer=None, scheduler=None, num_workers=8, strict=True,

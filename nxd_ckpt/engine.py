@@ -15,7 +15,8 @@ from .coord import Coordinator, default_store
 from .errors import RankFailureError
 from .plan import SavePlan, tensor_nbytes
 from .saveprotocol import ManifestInfo, SaveJob, SaveRunner, SaveStats
-from .staging import HostBudget, chunk_by_bytes, copy_to_host, default_host_budget, device_snapshot
+from .staging import (HostBudget, HostBufferPool, chunk_by_bytes, copy_to_host, default_host_budget,
+                      device_snapshot)
 from .storage import Storage
 from .world import World
 from .writepool import WriteTask, bytes_task, failing_task, plain_shard_producer, tensor_producer
@@ -31,6 +32,7 @@ class Engine:
         self._tag_saves: Dict[str, int] = {}
         self.runner: Optional[SaveRunner] = None
         self.budget: Optional[HostBudget] = None
+        self.buffers: Optional[HostBufferPool] = None   # snapshot buffers kept between saves (staging.py)
         self.jobs: List[SaveJob] = []
         self.history: List[SaveStats] = []
         self.loading: set = set()
@@ -39,8 +41,9 @@ class Engine:
 
     # --- saves -------------------------------------------------------------------------------------
     def start_job(self, world: World, storage: Storage, tag: str, plan: SavePlan, num_kept, num_workers: int,
-                  timeout_s: float, budget_bytes: Optional[int], called_at: float) -> SaveJob:
-        self._ensure_runner(world, budget_bytes)
+                  timeout_s: float, budget_bytes: Optional[int], called_at: float,
+                  keep_buffers: bool = True) -> SaveJob:
+        self._ensure_runner(world, budget_bytes, keep_buffers)
         self.seq += 1
         # Keys are per tag (and per save of that tag), not per call: a rank that raised before starting
         # a save (a bad argument, a pending error) must never have its next save's files combined with
@@ -58,12 +61,18 @@ class Engine:
         self.runner.submit(job)
         return job
 
-    def _ensure_runner(self, world: World, budget_bytes: Optional[int]) -> None:
+    def _ensure_runner(self, world: World, budget_bytes: Optional[int], keep_buffers: bool = True) -> None:
         cap = budget_bytes or default_host_budget(world.local_world_size)
         if self.budget is None:
             self.budget = HostBudget(cap)
         elif budget_bytes and budget_bytes != self.budget.capacity:
             self.budget.capacity = int(budget_bytes)
+        if self.buffers is None:
+            self.buffers = HostBufferPool(self.budget.capacity, keep=keep_buffers)
+        self.buffers.set_capacity(self.budget.capacity)
+        self.buffers.keep = keep_buffers
+        if not keep_buffers:
+            self.buffers.release()
         if self.runner is None:
             self.runner = SaveRunner()
 
@@ -101,15 +110,30 @@ class Engine:
                         log.info("nxd_ckpt: save %s waited %.3fs for %d MB of host staging memory (budget %d MB)",
                                  job.tag, lease.waited_s, need >> 20, self.budget.capacity >> 20)
                         job.stats.budget_wait_s = (job.stats.budget_wait_s or 0.0) + lease.waited_s
-                    host = iter(copy_to_host([t for i in chunk for t in units[i][1]]))
-                    for i in chunk:
-                        make_file, ts = units[i]
-                        relpath, produce = make_file([next(host) for _ in ts])
-                        job.tasks.add(WriteTask(relpath, produce, lease.part(sizes[i])))
+                    self._hand_out(job, [units[i] for i in chunk], [sizes[i] for i in chunk], lease)
         except BaseException as exc:  # noqa: BLE001
             job.tasks.add(failing_task(exc))
         finally:
             job.tasks.close()
+
+    def _hand_out(self, job: SaveJob, units, sizes: List[int], lease) -> None:
+        """Copy one chunk's units into pool buffers and queue a file per unit; each file's part of the lease
+        gives its buffers back to the pool when the file is written or dropped."""
+        pool = self.buffers
+        host = copy_to_host([t for _, ts in units for t in ts], pool)
+        start = 0
+        try:
+            for (make_file, ts), size in zip(units, sizes):
+                mine = host[start:start + len(ts)]
+                relpath, produce = make_file(mine)
+                job.tasks.add(WriteTask(relpath, produce, lease.part(size, lambda mine=mine: pool.give_back(mine))))
+                start += len(ts)
+        finally:
+            pool.give_back(host[start:])        # not handed out (a failure): nothing will write them
+
+    def release_buffers(self) -> int:
+        """Drop the snapshot buffers kept between saves (those of saves in flight when they are written)."""
+        return self.buffers.release() if self.buffers is not None else 0
 
     def wait(self, job: SaveJob, timeout_s: float) -> None:
         """Block the caller (a synchronous save) until ``job`` is committed or failed; raise its error.

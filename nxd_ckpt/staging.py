@@ -1,27 +1,28 @@
 """Device -> host snapshot into bounded host memory.
 
-The training thread blocks here, and only here, during an async save: the batched transfer of this
-rank's planned XLA tensors (``torch_xla._XLAC._xla_get_cpu_tensors``; pending graphs are materialised
-first, all in one execution), host-tensor copies for CPU tensors (Adam's ``step``). A HostBudget bounds
-the bytes held by snapshots that are not yet written; a snapshot larger than what is free waits for
-writers to release.
+The training thread blocks here, and only here, during an async save: pending graphs are materialised
+(all in one execution), then every planned tensor of this rank is copied to host memory. A HostBudget
+bounds the bytes held by snapshots that are not yet written; a snapshot larger than what is free waits
+for writers to release.
 
-The batched transfer is issued in sub-batches of at most ``D2H_BATCH_BYTES``: ``_xla_get_cpu_tensors``
-stages every tensor through an intermediate host literal before building the CPU tensor, so one call
-over a whole snapshot holds twice the snapshot at its peak, and whatever the allocator does not have at
-hand is page-faulted in (the dominant cost: ~0.3-0.9 s per GB here). Sub-batches recycle a small
-literal buffer, so only the snapshot itself can need fresh pages. Measured on the XLA CPU device (2
-cores), 1 GB in 300 tensors: one call 0.2 s with warm memory, 0.6-0.9 s when it faulted in 0.9-1.7 GB;
-sub-batches 0.2-0.3 s. Sub-batches are fetched by ``D2H_THREADS`` threads.
+Where the copies go: into a HostBufferPool kept between saves, so that a save of the same shapes as the
+last one touches no fresh pages (page faults of freshly allocated memory were most of the snapshot's
+CPU: ~1.3 CPU-s/GB for 1 GB in 300 tensors, against ~0.1 CPU-s/GB for a copy into mapped buffers). On
+the PJRT CPU device the copy reads the device buffer itself through DLPack. On other devices (Neuron)
+torch-xla has no copy into a caller's buffer: the batched transfer (``_xla_get_cpu_tensors``) allocates
+its own memory, issued in sub-batches of at most ``D2H_BATCH_BYTES`` (one call over a whole snapshot
+stages every tensor through an intermediate host literal and holds twice the snapshot at its peak) by
+``D2H_THREADS`` threads. CPU tensors (Adam's ``step``) are copied into pool buffers too.
 """
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
@@ -79,22 +80,28 @@ class HostLease:
     part is released when its file is written or dropped, and what the chunk did not hand out is released
     when its ``with`` block ends (a failed copy never leaks budget)."""
 
-    def __init__(self, budget: Optional[HostBudget], nbytes: int, waited_s: float = 0.0):
+    def __init__(self, budget: Optional[HostBudget], nbytes: int, waited_s: float = 0.0,
+                 on_release: Optional[Callable[[], None]] = None):
         self._budget = budget
         self._lock = threading.Lock()
         self.nbytes = int(nbytes)
         self.waited_s = waited_s
+        self._on_release = on_release
 
-    def part(self, nbytes: int) -> "HostLease":
-        """Move ``nbytes`` (at most what is left) of this lease to a new lease."""
+    def part(self, nbytes: int, on_release: Optional[Callable[[], None]] = None) -> "HostLease":
+        """Move ``nbytes`` (at most what is left) of this lease to a new lease; ``on_release`` runs once
+        when that lease is released (it gives the file's buffers back to the pool)."""
         with self._lock:
             moved = min(int(nbytes), self.nbytes)
             self.nbytes -= moved
-        return HostLease(self._budget, moved)
+        return HostLease(self._budget, moved, on_release=on_release)
 
     def release(self) -> None:
         with self._lock:
             nbytes, self.nbytes = self.nbytes, 0
+            on_release, self._on_release = self._on_release, None
+        if on_release is not None:
+            on_release()
         if nbytes and self._budget is not None:
             self._budget._give_back(nbytes)
 
@@ -110,18 +117,198 @@ def no_lease() -> HostLease:
     return HostLease(None, 0)
 
 
-def copy_to_host(tensors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
-    """Host copies of ``tensors`` (same order): XLA tensors in one batched transfer, CPU tensors cloned
-    compactly (a view of a large storage becomes a tensor of its own bytes)."""
+class HostBufferPool:
+    """Host buffers for snapshots, kept between saves so that the next snapshot of the same shapes writes into
+    pages that are already mapped (a first touch of fresh anonymous memory costs about 1-2 CPU-s/GB on this
+    VM, more than the copy itself).
+
+    Buffers are flat ``uint8`` tensors matched by exact byte size (training saves the same shapes every
+    time; a tensor file stores its whole storage, so a buffer must be exactly the tensor's bytes). Every
+    buffer is either free in the pool or lent to one snapshot tensor, and is given back when that tensor's
+    file is written (the write pool's lease release). The bytes held, free and lent, never exceed
+    ``capacity`` (the host memory budget): free buffers of other sizes are dropped to make room, and a
+    buffer that would not fit even then is lent unpooled (freed when its file is written). Thread-safe."""
+
+    def __init__(self, capacity: int, keep: bool = True):
+        self.capacity = int(capacity)
+        self.keep = keep
+        self._free: Dict[int, List[torch.Tensor]] = {}
+        self._lent: Dict[int, torch.Tensor] = {}    # storage data_ptr -> its pooled buffer
+        self._held = 0                              # bytes of pooled buffers, free and lent
+        self._dropped: set = set()                  # lent buffers to free, not keep, when they come back
+        self._lock = threading.Lock()
+        self.reused = 0                             # statistics: buffers taken from the pool / allocated
+        self.allocated = 0
+
+    @property
+    def held_bytes(self) -> int:
+        with self._lock:
+            return self._held
+
+    def empty_like(self, t: torch.Tensor) -> torch.Tensor:
+        """A contiguous host tensor of ``t``'s dtype and shape whose storage is exactly its bytes."""
+        nbytes = t.numel() * t.element_size()
+        if nbytes == 0:
+            return torch.empty(t.shape, dtype=t.dtype)
+        buf = self._take(nbytes)
+        return buf.view(t.dtype).view(t.shape)
+
+    def _take(self, nbytes: int) -> torch.Tensor:
+        with self._lock:
+            free = self._free.get(nbytes)
+            if free:
+                buf = free.pop()
+                self.reused += 1
+            else:
+                self._make_room(nbytes)
+                buf = torch.empty(nbytes, dtype=torch.uint8)
+                self.allocated += 1
+                if self._held + nbytes > self.capacity:
+                    return buf                      # lent unpooled: not tracked, freed after its write
+                self._held += nbytes
+            self._lent[buf.data_ptr()] = buf
+            return buf
+
+    def _make_room(self, nbytes: int) -> None:
+        """Drop free buffers (largest sizes first) until ``nbytes`` more fit in the capacity."""
+        for size in sorted(self._free, reverse=True):
+            bufs = self._free[size]
+            while bufs and self._held + nbytes > self.capacity:
+                bufs.pop()
+                self._held -= size
+            if not bufs:
+                del self._free[size]
+
+    def give_back(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Return the buffers under ``tensors`` (tensors from :meth:`empty_like`; others are ignored). The
+        caller must be done with their bytes."""
+        with self._lock:
+            for t in tensors:
+                ptr = t.untyped_storage().data_ptr() if t.numel() else 0
+                buf = self._lent.pop(ptr, None)
+                if buf is None:
+                    continue
+                if self.keep and ptr not in self._dropped and self._held <= self.capacity:
+                    self._free.setdefault(buf.numel(), []).append(buf)
+                else:
+                    self._dropped.discard(ptr)
+                    self._held -= buf.numel()
+
+    def set_capacity(self, capacity: int) -> None:
+        with self._lock:
+            self.capacity = int(capacity)
+            self._make_room(0)
+
+    def release(self) -> int:
+        """Drop every free buffer now, and every buffer lent now when it comes back (saves in flight); the
+        bytes dropped now. Later snapshots fill the pool again (if ``keep``)."""
+        with self._lock:
+            dropped = sum(size * len(bufs) for size, bufs in self._free.items())
+            self._free.clear()
+            self._held -= dropped
+            self._dropped.update(self._lent)
+            return dropped
+
+
+def copy_to_host(tensors: Sequence[torch.Tensor], pool: Optional[HostBufferPool] = None) -> List[torch.Tensor]:
+    """Host copies of ``tensors`` (same order), compact (a view of a large storage becomes a tensor of its own
+    bytes). With ``pool`` the copies are written into its buffers (the caller gives them back with
+    ``pool.give_back`` when done); without, into fresh memory.
+
+    XLA tensors on the PJRT CPU device are copied from the device buffer itself (DLPack aliases it) into the
+    host buffers; on other devices (Neuron) torch-xla has no copy into a caller's buffer, so they come in
+    one batched transfer that allocates its own memory. Blocks until every copy is complete: the results
+    never change when the caller later mutates or donates the tensors."""
     out: List[torch.Tensor] = [None] * len(tensors)  # type: ignore[list-item]
-    xla_idx = [i for i, t in enumerate(tensors) if is_xla(t)]
-    if xla_idx:
-        for i, host in zip(xla_idx, _xla_to_cpu([tensors[i] for i in xla_idx])):
-            out[i] = host
-    for i, t in enumerate(tensors):
-        if out[i] is None:
-            out[i] = t.detach().clone(memory_format=torch.contiguous_format)
+    try:
+        xla_idx = [i for i, t in enumerate(tensors) if is_xla(t)]
+        if xla_idx:
+            for i, host in zip(xla_idx, _xla_to_host([tensors[i] for i in xla_idx], pool)):
+                out[i] = host
+        for i, t in enumerate(tensors):
+            if out[i] is None:
+                out[i] = _copy_into(t.detach(), pool)
+    except BaseException:
+        if pool is not None:
+            pool.give_back([t for t in out if t is not None])
+        raise
     return out
+
+
+def _copy_into(src: torch.Tensor, pool: Optional[HostBufferPool]) -> torch.Tensor:
+    """A compact host copy of the host tensor ``src``, in a pool buffer when there is a pool.
+
+    A contiguous source is copied by one ``memmove`` (one thread, the GIL released): torch's ``copy_``
+    splits a large copy over its intra-op threads, which on this 2-core host took 0.2-0.5 CPU-s/GB (the
+    threads spin between regions) for the same 0.1 s of wall time as one thread's 0.1 CPU-s/GB."""
+    if src.layout != torch.strided or src.is_quantized or src.is_conj() or src.is_neg():
+        return src.clone(memory_format=torch.contiguous_format)     # rare kinds: torch's own copy
+    dst = pool.empty_like(src) if pool is not None else torch.empty(src.shape, dtype=src.dtype)
+    nbytes = dst.numel() * dst.element_size()
+    if nbytes and src.is_contiguous() and src.device.type == "cpu":
+        ctypes.memmove(dst.data_ptr(), src.data_ptr(), nbytes)
+    else:
+        dst.copy_(src)
+    return dst
+
+
+def _xla_to_host(tensors: List[torch.Tensor], pool: Optional[HostBufferPool]) -> List[torch.Tensor]:
+    """Host copies of XLA tensors: through DLPack where the device is the PJRT CPU device and the dtype has a
+    DLPack equivalent, by the batched transfer for the rest."""
+    import torch_xla
+
+    xlac = torch_xla._XLAC
+    tensors = [t.detach() for t in tensors]
+    direct = [i for i, t in enumerate(tensors) if _on_pjrt_cpu(t)] if hasattr(xlac, "_to_dlpack") else []
+    out: List[Optional[torch.Tensor]] = [None] * len(tensors)
+    if direct:
+        _materialize(xlac, [tensors[i] for i in direct])
+        # A buffer of a graph still executing asynchronously (a step's outputs right after mark_step) has
+        # no PJRT buffer yet, and torch-xla's DLPack export then aborts the process (a failed CHECK, not an
+        # exception): wait until the device has finished everything queued.
+        xlac._xla_wait_device_ops(devices=[])
+        try:
+            for i in direct:
+                out[i] = _dlpack_copy(xlac, tensors[i], pool)
+        except BaseException:
+            if pool is not None:
+                pool.give_back([t for t in out if t is not None])
+            raise
+    rest = [i for i, t in enumerate(out) if t is None]
+    if rest:
+        for i, host in zip(rest, _xla_to_cpu([tensors[i] for i in rest])):
+            out[i] = host
+    return out  # type: ignore[return-value]
+
+
+def _dlpack_copy(xlac, t: torch.Tensor, pool: Optional[HostBufferPool]) -> Optional[torch.Tensor]:
+    """A host copy of ``t`` read through a DLPack alias of its device buffer; None when torch-xla cannot
+    export the dtype (float8 types: "has no DLPack equivalent"). The alias is dropped before returning."""
+    try:
+        src = torch.from_dlpack(xlac._to_dlpack(t))
+    except RuntimeError:
+        return None
+    if src.dtype != t.dtype or src.shape != t.shape:    # never save a reinterpretation
+        return None
+    return _copy_into(src, pool)
+
+
+_device_kinds: Dict[str, bool] = {}
+
+
+def _on_pjrt_cpu(t: torch.Tensor) -> bool:
+    """Whether ``t`` lives on the PJRT CPU device, where a device buffer is ordinary host memory."""
+    key = str(t.device)
+    kind = _device_kinds.get(key)
+    if kind is None:
+        import torch_xla
+
+        try:
+            real = torch_xla._XLAC._xla_real_devices([key])[0]
+        except (RuntimeError, IndexError, AttributeError):
+            real = ""
+        kind = _device_kinds[key] = str(real).upper().startswith("CPU:")
+    return kind
 
 
 #: Largest sub-batch of one ``_xla_get_cpu_tensors`` call (a larger tensor forms a sub-batch of its own).
@@ -208,7 +395,6 @@ def release_host_memory() -> None:
     global _malloc_trim
     if _malloc_trim is None:
         try:
-            import ctypes
             import ctypes.util
 
             _malloc_trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim

@@ -180,7 +180,7 @@ def test_a_failed_snapshot_gives_its_host_memory_back(tmp_path, monkeypatch):
     model = TinyShard().to(xla_device())
     nxd_ckpt.save_checkpoint(root, "good", model=model, use_xser=True)
 
-    def broken_copy(tensors):
+    def broken_copy(tensors, pool=None):
         raise RuntimeError("device lost (injected)")
 
     monkeypatch.setattr(engine_mod, "copy_to_host", broken_copy)

@@ -1,0 +1,94 @@
+#!/usr/bin/env python3
+"""A/B of load_checkpoint's tensor reads, side by side in one process (alternating, medians), on bench.py's state
+saved once with nxd_ckpt (xser), loaded into a dict of XLA tensors with the page cache of its files dropped
+(``posix_fadvise(DONTNEED)`` on them only) before every load:
+
+- ``mapped``: files of 1 MiB and more memory-mapped (``FileReader.mapped``, what load_checkpoint did);
+- ``buffered``: every file read into a fresh host buffer (``read_buffer``);
+- ``pooled``: every file bound for the device read into a reused host buffer (``reader.ReadBuffers``).
+
+    python scripts/ab_load.py --size-gb 1 --tensors 300 --rounds 4 --dir /tmp/ab_load --out bench_out/ab_load.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import bench  # noqa: E402
+
+
+def _cpu() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--size-gb", type=float, default=1.0)
+    p.add_argument("--tensors", type=int, default=300)
+    p.add_argument("--state", choices=("fp32", "bf16-adam"), default="fp32")
+    p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--variants", default="mapped,buffered,pooled")
+    p.add_argument("--dir", default="/tmp/nxd_ckpt_ab_load")
+    p.add_argument("--out")
+    args = p.parse_args()
+    import nxd_ckpt
+    import nxd_ckpt.api as api
+    import nxd_ckpt.reader as reader
+
+    variants = tuple(args.variants.split(","))
+    dev = bench.device()
+    model, optim, _ = bench.build_state(int(args.size_gb * 1e9), args.tensors, dev, args.state)
+    shutil.rmtree(args.dir, ignore_errors=True)
+    nxd_ckpt.save_checkpoint(args.dir, "t", model=model, optimizer=optim, use_xser=True)
+    nxd_ckpt.release_host_buffers()
+    nbytes = bench.nbytes({"model": model, "optimizer": optim} if optim is not None else model)
+    cache = bench.Cache()
+    cache.mode = "posix_fadvise_dontneed"        # this run's files only: the machine is shared
+    mapped_default, pooled_default = api.copies_every_tensor, reader.POOLED_READS
+
+    def one(variant: str) -> dict:
+        api.copies_every_tensor = mapped_default if variant == "mapped" else (lambda m, o: False)
+        reader.POOLED_READS = variant == "pooled"
+        target = {k: v for k, v in model.items()}
+        opt = bench.replace_tensors(optim, iter(bench.tensors_of(optim))) if optim is not None else None
+        bench.trim_heap()
+        cache.drop(args.dir)
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        c0, t0 = _cpu(), time.perf_counter()
+        nxd_ckpt.load_checkpoint(args.dir, "t", model=target, optimizer=opt)
+        bench.wait_device()
+        wall, cpu = time.perf_counter() - t0, _cpu() - c0
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
+        return {"load_s": wall, "load_cpu_s_per_gb": cpu / (nbytes / 1e9), "page_faults_mb": faults * 4096 / 2 ** 20}
+
+    for v in variants:
+        one(v)                                    # warm-up
+    res, loads = {v: [] for v in variants}, []
+    for r in range(args.rounds):
+        for v in (variants if r % 2 == 0 else variants[::-1]):
+            res[v].append(one(v))
+        loads.append(os.getloadavg()[0])
+    api.copies_every_tensor, reader.POOLED_READS = mapped_default, pooled_default
+    shutil.rmtree(args.dir, ignore_errors=True)
+    out = {"bytes": nbytes, "tensors": args.tensors, "state": args.state, "rounds": args.rounds, "load1": loads,
+           "median": {v: {k: statistics.median(x[k] for x in res[v]) for k in res[v][0]} for v in res}}
+    text = json.dumps(out, indent=1)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

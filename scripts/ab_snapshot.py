@@ -1,0 +1,108 @@
+#!/usr/bin/env python3
+"""A/B of the async save's snapshot, side by side in one process (alternating, medians), on bench.py's state:
+
+- ``old``: the batched ``_xla_get_cpu_tensors`` transfer into fresh memory (the snapshot before the pool);
+- ``pool_copy_``: the pool's kept buffers, filled by DLPack + torch's ``copy_``;
+- ``new``: the pool's kept buffers, filled by DLPack + one ``memmove`` per tensor (what nxd_ckpt does).
+
+The pool persists across the variants (``old`` never touches it), so ``pool_*`` measure the steady state of a
+training run's repeated saves.
+
+    python scripts/ab_snapshot.py --size-gb 1 --tensors 300 --rounds 4 --dir /tmp/ab --out bench_out/ab.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import bench  # noqa: E402
+import torch  # noqa: E402
+
+VARIANTS = ("old", "pool_copy_", "new")
+
+
+def _cpu() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def _old_copy(tensors, pool=None):
+    from nxd_ckpt import staging
+
+    out = [None] * len(tensors)
+    xla = [i for i, t in enumerate(tensors) if t.device.type == "xla"]
+    for i, host in zip(xla, staging._xla_to_cpu([tensors[i] for i in xla])):
+        out[i] = host
+    return [h if h is not None else t.detach().clone() for h, t in zip(out, tensors)]
+
+
+def _torch_copy_into(src, pool):
+    dst = pool.empty_like(src) if pool is not None else torch.empty(src.shape, dtype=src.dtype)
+    dst.copy_(src)
+    return dst
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--size-gb", type=float, default=1.0)
+    p.add_argument("--tensors", type=int, default=300)
+    p.add_argument("--state", choices=("fp32", "bf16-adam"), default="fp32")
+    p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--dir", default="/tmp/nxd_ckpt_ab")
+    p.add_argument("--out")
+    args = p.parse_args()
+    import nxd_ckpt
+    import nxd_ckpt.engine as engine
+    import nxd_ckpt.staging as staging
+
+    model, optim, _ = bench.build_state(int(args.size_gb * 1e9), args.tensors, bench.device(), args.state)
+    kw = {"model": model, "use_xser": True, **({"optimizer": optim} if optim is not None else {})}
+    nbytes = bench.nbytes({"model": model, "optimizer": optim} if optim is not None else model)
+    new_copy, memmove_into = staging.copy_to_host, staging._copy_into
+
+    def one(variant: str, i: int) -> dict:
+        engine.copy_to_host = _old_copy if variant == "old" else new_copy
+        staging._copy_into = _torch_copy_into if variant == "pool_copy_" else memmove_into
+        shutil.rmtree(args.dir, ignore_errors=True)
+        os.makedirs(args.dir)
+        bench.trim_heap()
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        c0, t0 = _cpu(), time.perf_counter()
+        nxd_ckpt.save_checkpoint(args.dir, f"t{i}", async_save=True, **kw)
+        stall, c_stall = time.perf_counter() - t0, _cpu() - c0
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
+        nxd_ckpt.finalize_checkpoint()
+        gb = nbytes / 1e9
+        return {"stall_s": stall, "commit_s": nxd_ckpt.save_stats()[-1]["commit_s"], "cpu_s_per_gb": (_cpu() - c0) / gb,
+                "stall_cpu_s_per_gb": c_stall / gb, "stall_faults_mb": faults * 4096 / 2 ** 20}
+
+    for v in VARIANTS:
+        one(v, 0)                                 # warm-up (fills the pool)
+    res, loads = {v: [] for v in VARIANTS}, []
+    for r in range(args.rounds):
+        for v in (VARIANTS if r % 2 == 0 else VARIANTS[::-1]):
+            res[v].append(one(v, r + 1))
+        loads.append(os.getloadavg()[0])
+    shutil.rmtree(args.dir, ignore_errors=True)
+    out = {"bytes": nbytes, "tensors": args.tensors, "state": args.state, "rounds": args.rounds, "load1": loads,
+           "median": {v: {k: statistics.median(x[k] for x in res[v]) for k in res[v][0]} for v in res},
+           "pool_held_mb": engine.get_engine().buffers.held_bytes / 2 ** 20}
+    text = json.dumps(out, indent=1)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
