@@ -239,11 +239,14 @@ def _storage_writer(store, checkpoint_id: str, pool=None):
     from torch.distributed.checkpoint.planner import WriteItemType
     from torch.distributed.checkpoint.storage import WriteResult
 
+    from .storage.local import start_writeback
+
     class Writer(StorageWriter):
         def __init__(self):
             super().__init__()
             self.records: Dict[str, Any] = {}
             self.save_id = _new_id()
+            self.writeback = None
 
         def reset(self, checkpoint_id=None) -> None:
             pass
@@ -267,6 +270,9 @@ def _storage_writer(store, checkpoint_id: str, pool=None):
                 produce = lambda f: xser.write_tensor(data, f)  # noqa: E731
             rec = store.write_file(name, produce, durable=False, atomic=False)
             del produce
+            local = store.local_path(name) if self.writeback is not None else None
+            if local is not None:
+                self.writeback.submit(start_writeback, local)
             if isinstance(data, torch.Tensor) and pool is not None:
                 pool.give_back(data)
             self.records[name] = rec
@@ -274,15 +280,21 @@ def _storage_writer(store, checkpoint_id: str, pool=None):
                                storage_data=_StorageInfo(name, 0, rec.size))
 
         def write_data(self, plan, planner):
-            with ThreadPoolExecutor(WRITE_THREADS, thread_name_prefix="to-dcp") as pool:
-                futures = [pool.submit(self._write, f"__0_{i}.distcp", item, planner)
-                           for i, item in enumerate(plan.items)]
-                try:
-                    results = [f.result() for f in futures]
-                except BaseException:
-                    for f in futures:
-                        f.cancel()
-                    raise
+            # one thread starts the disk writing each finished file (a hint; the caller's sync is the
+            # durability) while the writer threads go on
+            try:
+                with ThreadPoolExecutor(1, thread_name_prefix="to-dcp-writeback") as self.writeback, \
+                        ThreadPoolExecutor(WRITE_THREADS, thread_name_prefix="to-dcp") as pool:
+                    futures = [pool.submit(self._write, f"__0_{i}.distcp", item, planner)
+                               for i, item in enumerate(plan.items)]
+                    try:
+                        results = [f.result() for f in futures]
+                    except BaseException:
+                        for f in futures:
+                            f.cancel()
+                        raise
+            finally:
+                self.writeback = None
             done = torch.futures.Future()
             done.set_result(results)
             return done
