@@ -435,22 +435,55 @@ def _joined(reader: FileReader, per_tp: List[List[_OptimFile]], path: tuple, par
 def piece_stream(param: TensorSource, ntp: int, want: tuple, dtype: torch.dtype, label: str,
                  load_piece: Callable[[int, int], torch.Tensor]) -> Optional[Callable[[], Iterator[torch.Tensor]]]:
     """``TensorSource.pieces`` of a tensor stored as TP shards, each in pieces of shape ``want`` (ZeRO-1 pieces,
-    padding included; the whole shard without ZeRO-1) that ``load_piece(tp_rank, piece)`` reads: None when its
-    bytes are not a run of whole piece rows (``partition.row_segments``)."""
-    segments = row_segments(param.shape, param.partition, ntp, rows_tail(want)[0], label)
-    if segments is None:
+    padding included; the whole shard without ZeRO-1) that ``load_piece(tp_rank, piece)`` reads. Shards that
+    are runs of the full tensor's rows (``partition.row_segments``) are yielded as slices of their pieces;
+    shards split along a later dim (row-parallel) are interleaved slab by slab into one small reused buffer
+    (``_interleaved``). None when neither applies (a stride whose blocks cut a piece: join the tensor)."""
+    per = rows_tail(want)[0]
+    segments = row_segments(param.shape, param.partition, ntp, per, label)
+    if segments is None and (param.partition is None or param.partition.normalised(len(param.shape), label).dim == 0):
         return None
+
+    def piece(r: int, d: int) -> torch.Tensor:
+        t = load_piece(r, d)
+        if tuple(t.shape) != tuple(want) or t.dtype != dtype:
+            raise PartitionError(f"{label}: piece {d} of TP rank {r} is {t.dtype} {tuple(t.shape)}; the state's "
+                                 f"pieces are {dtype} {tuple(want)}")
+        return t
 
     def pieces() -> Iterator[torch.Tensor]:
         for r, d, first, rows in segments:
-            piece = load_piece(r, d)
-            if tuple(piece.shape) != tuple(want) or piece.dtype != dtype:
-                raise PartitionError(f"{label}: piece {d} of TP rank {r} is {piece.dtype} {tuple(piece.shape)}; "
-                                     f"the state's pieces are {dtype} {tuple(want)}")
-            yield piece[first:first + rows]
-            del piece
+            t = piece(r, d)
+            yield t[first:first + rows]
+            del t
 
-    return pieces
+    if segments is not None:
+        return pieces
+    return lambda: _interleaved(param, ntp, per, dtype, piece, label)
+
+
+#: rows of a row-parallel tensor are interleaved into a buffer of about this size (it stays in the CPU cache)
+SLAB_BYTES = 4 << 20
+
+
+def _interleaved(param: TensorSource, ntp: int, per: int, dtype: torch.dtype,
+                 piece: Callable[[int, int], torch.Tensor], label: str) -> Iterator[torch.Tensor]:
+    """The full tensor of a shard split along dim >= 1, slab by slab of dim-0 rows: piece ``d`` of every TP
+    rank read, and each slab assembled from their rows (``tp_block_views``) in one reused buffer."""
+    full_rows = int(param.shape[0])
+    row_numel = math.prod(int(x) for x in param.shape[1:])
+    slab_rows = max(1, SLAB_BYTES // max(1, row_numel * dtype.itemsize))
+    buf = torch.empty((min(slab_rows, full_rows), *param.shape[1:]), dtype=dtype)
+    for d in range(-(-full_rows // per) if per else 0):
+        shards = [piece(r, d) for r in range(ntp)]
+        n = min(per, full_rows - d * per)
+        for a in range(0, n, slab_rows):
+            slab = buf[:min(slab_rows, n - a)]
+            for r, shard in enumerate(shards):
+                copy_into_blocks(shard[a:a + len(slab)], tp_block_views(slab, param.partition, ntp, r, label),
+                                 param.partition, label)
+            yield slab
+        del shards
 
 
 def _leaf_meta(reader: FileReader, f: _OptimFile, path: tuple) -> torch.dtype:

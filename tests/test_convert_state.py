@@ -413,21 +413,26 @@ def test_row_segments_read_each_piece_once_or_decline():
     assert row_segments((8, 3), Partition(0), 2, 4) == [(0, 0, 0, 4), (1, 0, 0, 4)]
 
 
-def test_to_dcp_streams_zero1_pieces_into_the_bytes_of_the_joined_tensor(tmp_path):
-    """Tensors whose ZeRO-1 pieces are runs of the full tensor's rows are written piece by piece; their files
-    are byte for byte those of the joined tensor, and row-parallel or piece-splitting strided ones are joined."""
+@pytest.mark.parametrize("sizes", [TagSizes(2, 1, 3, True), TagSizes(2, 1, 1, False)])
+def test_to_dcp_streams_pieces_into_the_bytes_of_the_joined_tensor(tmp_path, monkeypatch, sizes):
+    """Tensors whose ZeRO-1 pieces are runs of the full tensor's rows are written piece by piece, row-parallel
+    ones slab by slab (a slab of a few rows here, so several per piece); their files are byte for byte those
+    of the joined tensor. A stride whose blocks cut a piece is joined."""
     import xser
     from torch.distributed.checkpoint import FileSystemReader
 
+    from nxd_ckpt import fullstate
+
+    monkeypatch.setattr(fullstate, "SLAB_BYTES", 40)      # 2 rows of 8 or 12 fp32: slabs cut pieces
     state, _ = full_state()
-    write_tag(state, str(tmp_path / "a"), TagSizes(2, 1, 3, True), converted_from={})
+    write_tag(state, str(tmp_path / "a"), sizes, converted_from={})
     src = read_tag(str(tmp_path / "a"))
     sources = {t.name: t for t in src.model}
     sources.update({m.name: m for ps in src.optim.params.values() for m in ps.moments.values()})
     joined = {n for n, t in sources.items() if t.pieces is None}
-    assert joined == {f"{n}{k}" for n in ("model.layers.0.self_attn.o_proj.weight",
-                                         "model.layers.0.mlp.gate_up_proj.weight", "model.layers.1.mlp.down_proj.weight")
-                      for k in ("", " exp_avg", " exp_avg_sq")}
+    model = {n for n, _s, _p in SHAPES}         # without ZeRO-1 master weights the model's TP shards are joined
+    assert joined == {f"model.layers.0.mlp.gate_up_proj.weight{k}" for k in ("", " exp_avg", " exp_avg_sq")} | (
+        set() if sizes.zero1 else model)
     for name, t in sources.items():
         if t.pieces is not None:
             streamed = b"".join(p.contiguous().view(torch.uint8).numpy().tobytes() for p in t.pieces())
