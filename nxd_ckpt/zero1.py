@@ -806,8 +806,15 @@ def _run_plain_unit(unit: dict) -> List[tuple]:
         return v
 
     state = _fill(tpl, value)
-    rec = out.write_file(unit["out_rel"], lambda f: torch.save(state, f), durable=False)
-    return [(unit["out_rel"], rec.size, rec.crc32c, metas)]
+    sums: Dict[str, Any] = {}
+
+    def produce(f):     # each zip record's CRC32C too, as a save records a plain shard's (resharding reads by them)
+        summer = xser.RecordSums(f)
+        torch.save(state, summer)
+        sums["ranges"] = summer.ranges()
+
+    rec = out.write_file(unit["out_rel"], produce, durable=False)
+    return [(unit["out_rel"], rec.size, rec.crc32c, metas, sums.get("ranges"))]
 
 
 def _convert_plain(groups: List[Group], g_in: int, full_in: bool, g_out: int, full_out: bool, ctx: _WorkerContext,
@@ -819,8 +826,8 @@ def _convert_plain(groups: List[Group], g_in: int, full_in: bool, g_out: int, fu
                           "g_out": g_out, "full_out": full_out, "ep": grp.ep, "expert_from": grp.expert_from,
                           "bytes": sum(_nbytes(s) for s in grp.shape_info.values()) // max(1, g_out)})
     for res in _pool_map(_run_plain_unit, units, ctx, num_workers, progress, "convert-zero1", lambda u: u["bytes"]):
-        for rel, size, crc, metas in res:
-            records[rel] = FileRecord(rel, size, crc)
+        for rel, size, crc, metas, ranges in res:
+            records[rel] = FileRecord(rel, size, crc, ranges)
             optim_tensors[rel] = {str(i): {"dtype": d, "shape": s, "key": k} for i, (k, d, s) in enumerate(metas)}
 
 
@@ -847,13 +854,14 @@ def _copy_rest(src: Storage, out: Storage, manifest: Optional[manifest_mod.Manif
                 linked += 1
                 size = out.size(rel)
                 if entry is not None and entry.size == size:
-                    records[rel] = FileRecord(rel, size, int(entry.crc32c, 16))
+                    records[rel] = FileRecord(rel, size, int(entry.crc32c, 16), _record_sums(entry))
                 else:
                     records[rel] = FileRecord(rel, *out.crc32c(rel))
                 continue
             rec = out.copy_from(src, rel, rel, durable=False)
             if entry is not None:
                 entry.check(rec.size, rec.crc32c, f"{src.root}/{rel}")
+                rec = FileRecord(rec.relpath, rec.size, rec.crc32c, _record_sums(entry))
             records[rel] = rec
             copied += 1
     return linked, copied
@@ -897,6 +905,11 @@ def _manifest(tag: str, in_manifest: Optional[manifest_mod.Manifest], src: Stora
     man.extra["converted_from"] = {"path": src.root, "tag": src.root.rstrip("/").rpartition("/")[2],
                                    "dp": in_manifest.topology.dp if in_manifest else None}
     return man
+
+
+def _record_sums(entry) -> Optional[tuple]:
+    """A file taken over unchanged keeps its per-record checksums (a plain model shard's)."""
+    return tuple((r.offset, r.length, int(r.crc32c, 16)) for r in entry.ranges) if entry.ranges else None
 
 
 def _rank_of(rel: str, topo: dict) -> int:

@@ -82,11 +82,13 @@ def test_bench_bf16_params_with_fp32_optimizer_state(tmp_path):
 
 
 @pytest.mark.slow
-def test_bench_reshard_tiny_run_writes_complete_json(tmp_path):
-    """scripts/bench_reshard.py: save at TP=2, load at TP=2 and resharded at TP=1 x PP=2, at a tiny size."""
+def test_bench_reshard_tiny_run_writes_complete_json(tmp_path, fmt="plain"):
+    """scripts/bench_reshard.py: save at TP=2, load at TP=2 and resharded at TP=1 x PP=2, at a tiny size, as plain
+    shards (the xser run differs only by use_xser): also resharded from a manifest without per-record sums, which
+    streams each file first, so more bytes are read."""
     out = tmp_path / "reshard.json"
     cmd = [sys.executable, os.path.join(ROOT, "scripts", "bench_reshard.py"), "--hidden", "64", "--layers", "2",
-           "--vocab", "128", "--repeat", "1", "--dir", str(tmp_path / "data"), "--out", str(out)]
+           "--vocab", "128", "--repeat", "1", "--dir", str(tmp_path / "data"), "--out", str(out), "--format", fmt]
     env = dict(os.environ, PJRT_DEVICE="CPU", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -99,3 +101,7 @@ def test_bench_reshard_tiny_run_writes_complete_json(tmp_path):
         _sane(c["rss_peak_above_mb_max"], f"{case}.rss_peak_above_mb_max", allow_zero=True)
     assert r["cases"]["same"]["new_shard_mb"] == pytest.approx(r["cases"]["reshard"]["new_shard_mb"], rel=0.01)
     _sane(r["reshard_over_same"], "reshard_over_same")
+    if fmt == "plain":
+        assert r["cases"]["reshard_streamed"]["read_mb_per_rank_max"] > r["cases"]["reshard"]["read_mb_per_rank_max"]
+    else:
+        assert "reshard_streamed" not in r["cases"]

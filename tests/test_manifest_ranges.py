@@ -141,3 +141,32 @@ def test_verify_checks_each_record_of_a_plain_shard(tmp_path, capsys):
     out = capsys.readouterr()
     assert rel in out.out + out.err and "fails its checksum on bytes" in out.out + out.err
     assert os.path.exists(f"{root}/t/{rel}")
+
+
+def _save_zero1_plain(rank, world, root):
+    import nxd_ckpt
+    import parallel_state as ps
+    from nxd_ckpt.testing import ZeroOneAdam
+
+    ps.initialize_model_parallel()                       # DP=2
+    model = torch.nn.Linear(8, 8)
+    opt = ZeroOneAdam(model.parameters(), dp_group=ps.get_data_parallel_host_group(),
+                      dp_rank=ps.get_data_parallel_rank(), dp_size=ps.get_data_parallel_size())
+    nxd_ckpt.save_checkpoint(root, "z", model=model, optimizer=opt, zero1_optimizer=True, use_xser=False)
+    nxd_ckpt.finalize_checkpoint()
+    return True
+
+
+def test_convert_zero1_keeps_the_record_sums_of_the_files_it_takes_over(tmp_path):
+    """A plain ZeRO-1 tag converted to DP=1: the model shard it hard-links keeps its per-record sums, and the
+    optimizer shard it writes gets its own, so resharding reads of the new tag are checked by record too."""
+    root = str(tmp_path / "ck")
+    assert run_ranks(_save_zero1_plain, 2, root, timeout=120) == [True, True]
+    out = str(tmp_path / "dp1" / "z")
+    assert main(["convert-zero1", "--input_dir", f"{root}/z", "--output_dir", out, "--convert_to_sharded",
+                 "--dp_size", "1"]) == 0
+    rel = "model/dp_rank_00_tp_rank_00_pp_rank_00.pt"
+    before, after = manifest_mod.read(f"{root}/z").files[rel], manifest_mod.read(out).files[rel]
+    assert before.ranges and after == FileEntry(before.size, before.crc32c, after.rank, before.ranges)
+    assert manifest_mod.read(out).files["optim/dp_rank_00_tp_rank_00_pp_rank_00.pt"].ranges   # its own output too
+    assert main(["verify", out]) == 0          # which checks every record sum against the bytes
