@@ -3,6 +3,7 @@ fault-injecting proxy in front of it for retries and timeouts."""
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
 
 import pytest
@@ -384,3 +385,36 @@ def test_nxd_ckpt_ls_and_info_read_s3(s3_url, capsys):
     assert info["path"] == f"{s3_url}/b" and info["status"] == "complete" and not info["errors"]
     assert info["tensor_count"] == sum(len(t) for t in man.tensors.values()) > 0
     assert info["user_content"]["keys"] == ["step"]
+
+
+@pytest.mark.parametrize("scheme,signed", [("https", False), ("http", True)])
+def test_bodies_are_not_sha256_signed_over_https(scheme, signed, monkeypatch):
+    """Over TLS an upload's body is covered by its signed CRC32C header (no SHA-256 of every byte); over
+    plain http the payload stays signed. Checked on the request as signed, just before it would be sent."""
+    from nxd_ckpt.storage.s3 import _b64_crc, make_client
+
+    import crc32c
+
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def text(v):
+        return v.decode() if isinstance(v, bytes) else v
+
+    def capture(request, **_):
+        seen.append((text(request.headers["X-Amz-Content-SHA256"]), text(request.headers["x-amz-checksum-crc32c"])))
+        raise Stop
+
+    client = make_client(f"{scheme}://127.0.0.1:9", 5.0)
+    client.meta.events.register("before-send.s3.*", capture)
+    body = b"x" * 1000
+    crc = _b64_crc(crc32c.crc32c(body))
+    for op, extra in (("put_object", {}), ("upload_part", {"UploadId": "u", "PartNumber": 1})):
+        with pytest.raises(Stop):
+            getattr(client, op)(Bucket="b", Key="k", Body=body, ChecksumAlgorithm="CRC32C", ChecksumCRC32C=crc, **extra)
+    want = hashlib.sha256(body).hexdigest() if signed else "UNSIGNED-PAYLOAD"
+    assert seen == [(want, crc)] * 2, seen
