@@ -4,8 +4,7 @@ saved once with nxd_ckpt (xser), loaded into a dict of XLA tensors with the page
 (``posix_fadvise(DONTNEED)`` on them only) before every load:
 
 - ``mapped``: files of 1 MiB and more memory-mapped (``FileReader.mapped``, what load_checkpoint did);
-- ``buffered``: every file read into a fresh host buffer (``read_buffer``);
-- ``pooled``: every file bound for the device read into a reused host buffer (``reader.ReadBuffers``).
+- ``buffered``: every file read into a fresh host buffer (``read_buffer``).
 
     python scripts/ab_load.py --size-gb 1 --tensors 300 --rounds 4 --dir /tmp/ab_load --out bench_out/ab_load.json
 """
@@ -37,13 +36,12 @@ def main() -> int:
     p.add_argument("--tensors", type=int, default=300)
     p.add_argument("--state", choices=("fp32", "bf16-adam"), default="fp32")
     p.add_argument("--rounds", type=int, default=4)
-    p.add_argument("--variants", default="mapped,buffered,pooled")
+    p.add_argument("--variants", default="mapped,buffered")
     p.add_argument("--dir", default="/tmp/nxd_ckpt_ab_load")
     p.add_argument("--out")
     args = p.parse_args()
     import nxd_ckpt
     import nxd_ckpt.api as api
-    import nxd_ckpt.reader as reader
 
     variants = tuple(args.variants.split(","))
     dev = bench.device()
@@ -54,11 +52,10 @@ def main() -> int:
     nbytes = bench.nbytes({"model": model, "optimizer": optim} if optim is not None else model)
     cache = bench.Cache()
     cache.mode = "posix_fadvise_dontneed"        # this run's files only: the machine is shared
-    mapped_default, pooled_default = api.copies_every_tensor, reader.POOLED_READS
+    mapped_default = api.copies_every_tensor
 
     def one(variant: str) -> dict:
         api.copies_every_tensor = mapped_default if variant == "mapped" else (lambda m, o: False)
-        reader.POOLED_READS = variant == "pooled"
         target = {k: v for k, v in model.items()}
         opt = bench.replace_tensors(optim, iter(bench.tensors_of(optim))) if optim is not None else None
         bench.trim_heap()
@@ -78,7 +75,7 @@ def main() -> int:
         for v in (variants if r % 2 == 0 else variants[::-1]):
             res[v].append(one(v))
         loads.append(os.getloadavg()[0])
-    api.copies_every_tensor, reader.POOLED_READS = mapped_default, pooled_default
+    api.copies_every_tensor = mapped_default
     shutil.rmtree(args.dir, ignore_errors=True)
     out = {"bytes": nbytes, "tensors": args.tensors, "state": args.state, "rounds": args.rounds, "load1": loads,
            "median": {v: {k: statistics.median(x[k] for x in res[v]) for k in res[v][0]} for v in res}}
