@@ -2,16 +2,18 @@
 a plain shard's zip records), so a reader that needs a few tensors of a large file reads and checks just those.
 
 ``CheckedRanges.read(offset, length)`` reads every recorded range the request touches, whole, checks each, and
-returns the requested bytes; small ranges (zip headers, the pickle, the central directory) are kept once checked,
-since the zip reader asks for them in several small pieces. A request that touches bytes no range covers (a zip
+returns the requested bytes; the most recently read ranges, up to 16 MiB in all, are kept once checked, since the
+zip reader asks for the central directory and the pickle's record in several small pieces (a tensor's record is
+asked for once; the bound keeps a file of many small tensors from piling up). A request that touches bytes no range covers (a zip
 data descriptor, which no reader here uses) falls back to one streaming check of the whole file, once.
 ``stream_mismatch`` is the whole-file check that also checks every range, in one pass (``verify``).
 """
 from __future__ import annotations
 
 import bisect
+import collections
 import threading
-from typing import Callable, Dict, List, Optional
+from typing import Callable, List, Optional
 
 import crc32c as _crc32c
 
@@ -19,13 +21,13 @@ from .errors import CorruptCheckpointError
 from .manifest import FileEntry, RangeSum
 from .storage.base import READ_BLOCK
 
-_KEEP = 1 << 20          # ranges up to this size are kept once checked (headers, pickle, zip directory)
+_KEEP = 16 << 20         # bytes of checked ranges kept for repeated small reads (directory, pickle)
 
 
-def covering(ranges, start: int, end: int) -> Optional[List[RangeSum]]:
-    """The ranges that together cover ``[start, end)`` (sorted, disjoint ``ranges``), or None when a byte of it
-    lies in no range."""
-    i = bisect.bisect_right([r.offset for r in ranges], start) - 1
+def covering(ranges, start: int, end: int, offsets: Optional[List[int]] = None) -> Optional[List[RangeSum]]:
+    """The ranges that together cover ``[start, end)`` (sorted, disjoint ``ranges``; ``offsets`` their offsets,
+    when the caller keeps them), or None when a byte of it lies in no range."""
+    i = bisect.bisect_right(offsets if offsets is not None else [r.offset for r in ranges], start) - 1
     out, at = [], start
     while at < end:
         if i < 0 or i >= len(ranges) or not ranges[i].offset <= at < ranges[i].end:
@@ -44,7 +46,9 @@ class CheckedRanges:
                  whole_check: Callable[[], None]):
         self._raw, self._entry, self._where, self._hint = raw, entry, where, hint
         self._whole_check = whole_check
-        self._kept: Dict[int, bytes] = {}
+        self._offsets = [r.offset for r in entry.ranges]
+        self._kept: "collections.OrderedDict[int, bytes]" = collections.OrderedDict()    # offset -> bytes, LRU
+        self._kept_bytes = 0
         self._whole_done = False
         self._lock = threading.Lock()
 
@@ -52,7 +56,7 @@ class CheckedRanges:
         length = max(0, min(length, self._entry.size - offset))
         if length == 0:
             return b""
-        ranges = covering(self._entry.ranges, offset, offset + length)
+        ranges = covering(self._entry.ranges, offset, offset + length, self._offsets)
         if ranges is None:
             with self._lock:
                 if not self._whole_done:
@@ -65,9 +69,11 @@ class CheckedRanges:
         return blob if lo == 0 and length == len(blob) else bytes(memoryview(blob)[lo:lo + length])
 
     def _checked(self, r: RangeSum) -> bytes:
-        kept = self._kept.get(r.offset)
-        if kept is not None:
-            return kept
+        with self._lock:
+            kept = self._kept.get(r.offset)
+            if kept is not None:
+                self._kept.move_to_end(r.offset)
+                return kept
         data = self._raw(r.offset, r.length)
         if len(data) != r.length:
             raise CorruptCheckpointError(
@@ -78,9 +84,18 @@ class CheckedRanges:
             raise CorruptCheckpointError(f"{self._where} {problem}{'; ' + self._hint if self._hint else ''}",
                                          path=self._where, expected=r.crc32c,
                                          found=f"{_crc32c.crc32c(data):08x}")
-        if r.length <= _KEEP:
-            self._kept[r.offset] = data
+        self._keep(r.offset, data)
         return data
+
+    def _keep(self, offset: int, data: bytes) -> None:
+        if len(data) > _KEEP:
+            return
+        with self._lock:
+            if offset not in self._kept:
+                self._kept[offset] = data
+                self._kept_bytes += len(data)
+            while self._kept_bytes > _KEEP:
+                self._kept_bytes -= len(self._kept.popitem(last=False)[1])
 
 
 def stream_mismatch(raw: Callable[[int, int], bytes], entry: FileEntry) -> Optional[str]:

@@ -170,3 +170,21 @@ def test_convert_zero1_keeps_the_record_sums_of_the_files_it_takes_over(tmp_path
     assert before.ranges and after == FileEntry(before.size, before.crc32c, after.rank, before.ranges)
     assert manifest_mod.read(out).files["optim/dp_rank_00_tp_rank_00_pp_rank_00.pt"].ranges   # its own output too
     assert main(["verify", out]) == 0          # which checks every record sum against the bytes
+
+
+def test_checked_ranges_keep_a_bounded_amount(monkeypatch):
+    """Checked ranges are kept for repeated small reads, but never more than the bound in all (LRU)."""
+    from nxd_ckpt import rangecheck
+
+    data, entry = _summed()
+    monkeypatch.setattr(rangecheck, "_KEEP", 1500)
+    log = []
+    reader = CheckedRanges(lambda o, n: log.append(o) or data[o:o + n], entry, "f.pt", "", lambda: None)
+    for r in entry.ranges:
+        reader.read(r.offset, 4)
+        assert reader._kept_bytes <= 1500
+    before = len(log)
+    reader.read(entry.ranges[-1].offset, 4)          # the last one read is still kept
+    assert len(log) == before
+    reader.read(entry.ranges[0].offset, 4)           # the first was evicted: read (and checked) again
+    assert log[-1] == entry.ranges[0].offset
