@@ -288,3 +288,32 @@ def test_reshard_ep_zero1_carries_fp32_master_weights(tmp_path):
             _bits(ps.master.checked(), masters[k], f"{tag} {k} master")
             _bits(ps.moments["exp_avg"].checked(), moments[k][0], f"{tag} {k} exp_avg")
             assert got.model_dtypes[k] == torch.bfloat16
+
+
+def _load_masters_at_ep1(rank, world, root):
+    """load_checkpoint of the EP=2 tag that carries master weights, resharded to one process (EP=1, a plain ZeRO-1
+    optimizer): the optimizer's masters are the fp32 originals and the parameters their bf16 casts, bit for bit."""
+    import nxd_ckpt
+    import parallel_state as ps
+    from nxd_ckpt.testing import ZeroOneAdam
+
+    ps.initialize_model_parallel()
+    _, masters, moments = _bf16_source_with_masters()
+    model = _MoE(1, 0, 1, 0).to(torch.bfloat16)
+    opt = ZeroOneAdam(model.parameters(), lr=LR)
+    nxd_ckpt.load_checkpoint(root, "ep2", model=model, optimizer=opt)
+    for i, (k, p) in enumerate(model.named_parameters()):
+        _bits(opt.master[i], masters[k], f"load {k} master")
+        _bits(p.data, masters[k].bfloat16(), f"load {k}")
+        _bits(opt.base_state[i]["exp_avg"], moments[k][0], f"load {k} exp_avg")
+    return True
+
+
+def test_load_checkpoint_reads_the_masters_reshard_ep_carried(tmp_path):
+    from nxd_ckpt.tagwrite import TagSizes, write_tag
+
+    state, _, _ = _bf16_source_with_masters()
+    write_tag(state, str(tmp_path / "src"), TagSizes(dp=2, zero1=True), converted_from={})
+    assert main(["reshard", str(tmp_path / "src"), str(tmp_path / "ep2"), "--ep", "2", "--dp", "4", "--expert", "w",
+                 "--expert", "v"]) == 0
+    assert run_ranks(_load_masters_at_ep1, 1, str(tmp_path), timeout=120) == [True]
