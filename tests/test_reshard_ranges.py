@@ -260,8 +260,7 @@ def _damage(root: str, rel: str, key: str) -> None:
     with open(path, "rb") as f:
         data = bytearray(f.read())
     lazy = xser.open_lazy(lambda o, n: bytes(data[o:o + n]), len(data))
-    t = lazy.data[key] if key in lazy.data else None
-    rec, nbytes = lazy._storages[t.untyped_storage()._cdata]
+    rec, nbytes = lazy._storages[lazy.data[key].untyped_storage()._cdata]
     data[lazy._data_offset(rec) + nbytes // 2] ^= 0x40
     with open(path, "wb") as f:
         f.write(data)
