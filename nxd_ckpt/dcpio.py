@@ -1,13 +1,13 @@
 """PyTorch Distributed Checkpoint (DCP) as a sink and a source: `nxd-ckpt to-dcp` and `nxd-ckpt from-dcp`.
 
-Writing uses torch.distributed.checkpoint's own ``FileSystemWriter`` in a no-process-group save, with a
-planner that hands the writer each tensor only when it asks for it: the state dict passed to ``dcp.save``
-holds zero-stride placeholders (shape and dtype, no memory) and ``resolve_data`` loads the full tensor from
-the source, so a few tensors are in memory (two writer threads, each keeping its reference to the last one
-written while the next is read). The files are exactly what ``dcp.save`` writes: ``.metadata`` and one ``__0_N.distcp`` per
-entry (DCP's writer keeps every tensor of a file alive until the file is finished, so one file per entry is
-what bounds memory). Our ``manifest.json`` (size and CRC32C of every file) and ``done`` sit beside them, and
-the directory is built under ``<out>.nxdtmp`` and renamed into place.
+Writing is a no-process-group ``dcp.save`` (DCP's planner and ``.metadata``) with a planner that hands the
+writer each tensor only when it asks for it: the state dict passed to ``dcp.save`` holds zero-stride
+placeholders (shape and dtype, no memory), and ``resolve_data`` gives either the joined tensor or, when the
+source can give its bytes in order piece by piece (``TensorSource.pieces``: ZeRO-1 pieces, per-TP-rank state),
+a ``_Streamed`` that the storage writer copies straight into the file, so no full tensor is built. The files
+are what ``FileSystemWriter(single_file_per_rank=False)`` writes: ``.metadata`` and one ``__0_N.distcp`` per
+entry (one file per entry is also what bounds memory). Our ``manifest.json`` (size and CRC32C of every file)
+and ``done`` sit beside them, and the directory is built under ``<out>.nxdtmp`` and renamed into place.
 
 Layouts (``--layout``):
 
@@ -228,9 +228,10 @@ def _storage_writer(store, checkpoint_id: str, pool=None):
     the pickled ``.metadata``, so torch's FileSystemReader reads the result. One file per entry also bounds
     memory: each tensor is dropped once written. Differences, invisible to readers: the zip CRC-32 fields are
     0 (xser.write_tensor: nothing reads them, our CRC32C covers every byte), each file's size and CRC32C are
-    taken as it is written (``records``), files are made durable together by the caller, and ``.metadata``
-    is written in place (the caller's ``done`` marker is the commit, not a rename). Each tensor, once written,
-    goes back to ``pool`` (a fullstate.BufferPool) for the next one."""
+    taken as it is written (``records``), files are made durable together by the caller (each file's
+    writeback is started as soon as it is written: ``start_writeback``), and ``.metadata`` is written in place
+    (the caller's ``done`` marker is the commit, not a rename). A joined tensor, once written, goes back to
+    ``pool`` (a fullstate.BufferPool) for the next one."""
     import pickle
     from concurrent.futures import ThreadPoolExecutor
     from torch.distributed.checkpoint import StorageWriter

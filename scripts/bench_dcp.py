@@ -3,8 +3,9 @@
 
 1. Builds a TP=2 x DP=4 ZeRO-1 tag of about ``--size-gb`` (fp32 model, master weights and both Adam moments,
    Llama-like shapes with a large embedding) with nxd-ckpt's own tag writer.
-2. Runs ``nxd-ckpt to-dcp`` in a subprocess, measuring wall time and peak memory of the process (PSS samples
-   and GNU time's maximum RSS; bench_tools.run_measured).
+2. Runs ``nxd-ckpt to-dcp`` in a subprocess ``--repeat`` times, measuring wall time and peak memory of the
+   process (PSS samples and GNU time's maximum RSS; bench_tools.run_measured): medians of the times, the
+   largest peak; the load average at the end is recorded (the machine may be shared).
 3. Measures the disk: writing the DCP's byte count with fsync and reading the tag's byte count back cold.
 
 Checks: time <= 1.5 x (read of the tag + write of the DCP at disk speed); peak RSS <= 2 x the largest tensor
@@ -19,6 +20,7 @@ import json
 import math
 import os
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -90,7 +92,11 @@ def main(argv=None) -> int:
     ap.add_argument("--size-gb", type=float, default=2.0, help="state size: model + master + 2 moments (default 2)")
     ap.add_argument("--dir", help="work directory (default: a temporary directory, removed afterwards)")
     ap.add_argument("--out", default="bench_dcp.json", help="JSON result file")
+    ap.add_argument("--repeat", type=int, default=1, help="to-dcp runs on the same tag: times are their medians, "
+                                                          "memory their maximum (default 1)")
     args = ap.parse_args(argv)
+    if args.repeat < 1:
+        ap.error(f"--repeat {args.repeat}: pass 1 or more")
     work = args.dir or tempfile.mkdtemp(prefix="nxd_bench_dcp_")
     os.makedirs(work, exist_ok=True)
     env = dict(os.environ, PJRT_DEVICE=os.environ.get("PJRT_DEVICE", "CPU"))
@@ -109,12 +115,18 @@ def main(argv=None) -> int:
                                                       "torch.distributed.checkpoint"], env)
         res["python_startup_s"] = startup["wall_s"]
         res["baseline_rss"] = max(startup["peak_rss_sampled"], startup["maxrss_time"] or 0)
-        run = run_measured([sys.executable, "-m", "nxd_ckpt.cli", "to-dcp", src, dst, "--json"], env)
-        res["to_dcp_s"] = run["wall_s"]
-        res["to_dcp_internal_s"] = json.loads(run["stdout"])["seconds"]
-        res["peak_rss"] = max(run["peak_rss_sampled"], run["maxrss_time"] or 0)
+        runs = []
+        for _ in range(args.repeat):
+            shutil.rmtree(dst, ignore_errors=True)
+            runs.append(run_measured([sys.executable, "-m", "nxd_ckpt.cli", "to-dcp", src, dst, "--json"], env))
+        res["to_dcp_runs_s"] = [r["wall_s"] for r in runs]
+        res["to_dcp_internal_runs_s"] = [json.loads(r["stdout"])["seconds"] for r in runs]
+        res["to_dcp_s"] = statistics.median(res["to_dcp_runs_s"])
+        res["to_dcp_internal_s"] = statistics.median(res["to_dcp_internal_runs_s"])
+        res["peak_rss"] = max(max(r["peak_rss_sampled"], r["maxrss_time"] or 0) for r in runs)
         res["dcp_bytes"] = tree_bytes(dst)
         shutil.rmtree(dst, ignore_errors=True)
+        res["load_average"] = os.getloadavg()
         probe = disk_baseline(work, max(res["tag_bytes"], res["dcp_bytes"]))
         n = max(res["tag_bytes"], res["dcp_bytes"])
         res["disk"] = probe
@@ -135,6 +147,8 @@ def main(argv=None) -> int:
     rows = [("tag TP=2 x DP=4 ZeRO-1 (model, master, moments)", gb(res["tag_bytes"]), f"{res['tensors']} parameters"),
             ("DCP written (model, moments)", gb(res["dcp_bytes"]), f"largest tensor {gb(res['largest_tensor_bytes'])}"),
             ("disk write+fsync / cold read (GB/s)", f"{res['disk']['write_gbps']:.2f} / {res['disk']['read_gbps']:.2f}", ""),
+            ("load average at the end (1/5/15 min)", " / ".join(f"{x:.1f}" for x in res["load_average"]),
+             f"{args.repeat} to-dcp run(s): median times"),
             ("to-dcp wall time", f"{res['to_dcp_s']:.2f} s (conversion itself {res['to_dcp_internal_s']:.2f} s, "
                                  f"startup ~{res['python_startup_s']:.2f} s)",
              f"limit {res['time_limit_s']:.2f} s: {'OK' if res['time_ok'] else 'OVER'}"),
