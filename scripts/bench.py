@@ -638,6 +638,7 @@ class Bench:
         import nxd_ckpt
 
         base = self.fresh("rss_" + method)
+        nxd_ckpt.release_host_buffers()    # the peak counts nxd_ckpt's kept snapshot buffers, not the RSS before
         trim_heap()
         before = self.rss.rss()
         self.rss.start()
@@ -849,9 +850,10 @@ def run(args) -> dict:
             "commit_s": "call to the checkpoint durable and marked complete (nxd_ckpt: save_stats; dcp: future done; "
                         "sync methods: equal to their stall, not reported)",
             "load_s": "until every tensor is on the XLA device (wait_device_ops)",
-            "host_rss_peak_mb": "one extra save per method after malloc_trim: peak RSS (psutil, 5 ms sampling) from "
-                                "the call to commit minus RSS just before the call. On the XLA CPU device the "
-                                "device memory is host memory too; it is in both terms",
+            "host_rss_peak_mb": "one extra save per method after malloc_trim and nxd_ckpt.release_host_buffers() "
+                                "(so nxd_ckpt's kept snapshot buffers count in the peak): peak RSS (psutil, 5 ms "
+                                "sampling) from the call to commit minus RSS just before the call. On the XLA CPU "
+                                "device the device memory is host memory too; it is in both terms",
             "disk_write_parallel_gbps": "the same bytes as 64 files written by num_workers threads, each fsynced, "
                                         "then the folder",
             "disk_read_parallel_gbps": "those 64 files read back (page cache dropped) by num_workers threads into "
