@@ -4,7 +4,8 @@ A ``FullState`` names every model tensor in model order with its full shape, dty
 ``load()`` that materialises it; the optimizer state per parameter name (Adam's moments as full tensors,
 ``step``, master weights when present), the param groups' hyper-parameters, scheduler state and user
 content. Nothing is read until a sink calls ``load()``, one tensor at a time, so converting holds about one
-full tensor (and its pieces) in memory.
+full tensor (and its pieces) in memory; a sink that writes bytes in order may call ``pieces()`` instead, when
+the source has it, and hold only a few pieces (``piece_stream``).
 
 Sources: ``read_tag`` (an NxD / nxd-ckpt tag: TP shards joined by their partition attributes, PP stages
 merged, ZeRO-1 pieces joined over DP; an expert-parallel tag through ``fullstate_ep``) here; ``convert.read_hf`` and ``dcpio.read_dcp`` elsewhere.
