@@ -259,7 +259,8 @@ def _xla_to_host(tensors: List[torch.Tensor], pool: Optional[HostBufferPool]) ->
 
     xlac = torch_xla._XLAC
     tensors = [t.detach() for t in tensors]
-    direct = [i for i, t in enumerate(tensors) if _on_pjrt_cpu(t)] if hasattr(xlac, "_to_dlpack") else []
+    direct = [i for i, t in enumerate(tensors) if _on_pjrt_cpu(t) and not _sharded(xlac, t)] \
+        if hasattr(xlac, "_to_dlpack") else []
     out: List[Optional[torch.Tensor]] = [None] * len(tensors)
     if direct:
         _materialize(xlac, [tensors[i] for i in direct])
@@ -291,6 +292,16 @@ def _dlpack_copy(xlac, t: torch.Tensor, pool: Optional[HostBufferPool]) -> Optio
     if src.dtype != t.dtype or src.shape != t.shape:    # never save a reinterpretation
         return None
     return _copy_into(src, pool)
+
+
+def _sharded(xlac, t: torch.Tensor) -> bool:
+    """Whether ``t`` is an SPMD-sharded tensor (several device buffers: torch-xla's DLPack export would abort
+    the process on it, so it takes the batched transfer). Unknown counts as sharded."""
+    spec = getattr(xlac, "_get_xla_sharding_spec", None)
+    try:
+        return spec is not None and bool(spec(t))
+    except RuntimeError:
+        return True
 
 
 _device_kinds: Dict[str, bool] = {}

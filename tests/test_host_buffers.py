@@ -173,3 +173,30 @@ def test_pool_capacity_drops_free_buffers_and_lends_oversize_unpooled():
     pool.set_capacity(100)
     pool.give_back([d])                          # over the new capacity: freed
     assert pool.held_bytes == 0
+
+
+_SPMD_SNAPSHOT = """
+import numpy as np, torch, torch_xla, torch_xla.runtime as xr
+import torch_xla.distributed.spmd as xs
+from nxd_ckpt import staging
+xr.use_spmd()
+t = torch.arange(8.0).to(torch_xla.device())
+xs.mark_sharding(t, xs.Mesh(np.array([0]), (1,), ("x",)), ("x",))
+pool = staging.HostBufferPool(1 << 20)
+(host,) = staging.copy_to_host([t], pool)
+assert torch.equal(host, torch.arange(8.0)) and pool.held_bytes == 0, (host, pool.held_bytes)
+print("SNAPSHOT-OK")
+"""
+
+
+def test_an_spmd_sharded_tensor_takes_the_batched_transfer():
+    """torch-xla's DLPack export aborts the process on data it cannot export as one buffer: a sharded tensor
+    must never be exported (its own process: SPMD mode is process-wide)."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PJRT_DEVICE="CPU")
+    done = subprocess.run([sys.executable, "-c", _SPMD_SNAPSHOT], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0 and "SNAPSHOT-OK" in done.stdout, done.stderr[-2000:]
