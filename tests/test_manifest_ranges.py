@@ -61,6 +61,67 @@ def test_another_writers_layout_gives_no_ranges():
     assert sums.ranges() is None
 
 
+def test_another_writers_layout_logs_once_why(caplog):
+    sums = xser.RecordSums(io.BytesIO(), name="shard.pt")
+    with zipfile.ZipFile(sums, "w") as zf:
+        zf.writestr("archive/data.pkl", b"x" * 100)
+    with caplog.at_level("WARNING", logger="nxd_ckpt"):
+        assert sums.ranges() is None and sums.ranges() is None
+    msgs = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(msgs) == 1 and "per-record checksums are off for shard.pt" in msgs[0], msgs
+    assert "outside any zip record" in msgs[0]
+
+
+class _Sink(io.RawIOBase):
+    """Counts bytes, keeps none (a 24 MB save without 24 MB in the test)."""
+
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    def writable(self):
+        return True
+
+    def write(self, data):
+        self.n += memoryview(data).nbytes
+        return memoryview(data).nbytes
+
+
+@pytest.mark.parametrize("magic", [b"PK\x01\x02", b"PK\x03\x04" + bytes(26), b"PK\x07\x08" + bytes(12)])
+def test_tensor_data_that_looks_like_a_zip_header_is_data(magic):
+    """A uint8 tensor whose bytes start like a central-directory entry, a local header or (16 bytes) a data
+    descriptor stays one record: ranges recorded, the tail kept is the directory only (not the tensor)."""
+    big = torch.zeros(24 << 20, dtype=torch.uint8)
+    big[:len(magic)] = torch.frombuffer(bytearray(magic), dtype=torch.uint8)
+    small = torch.frombuffer(bytearray(magic[:4] + bytes(12)), dtype=torch.uint8)
+    sink = _Sink()
+    sums = xser.RecordSums(sink)
+    torch.save({"big": big, "small": small, "after": torch.arange(3)}, sums)
+    assert sums._tail is not None and len(sums._tail) < 4096
+    ranges = sums.ranges()
+    assert ranges is not None and ranges[-1][0] + ranges[-1][1] == sink.n
+    assert max(n for _, n, _ in ranges) > 24 << 20     # the big tensor's record, whole
+
+
+def test_record_sums_match_for_data_starting_like_a_header():
+    """Same, byte-checked on a small file: every range's CRC32C is that of the bytes written."""
+    t = torch.frombuffer(bytearray(b"PK\x01\x02" + bytes(60)), dtype=torch.uint8)
+    buf = io.BytesIO()
+    sums = xser.RecordSums(buf)
+    torch.save({"t": t, "u": torch.arange(4)}, sums)
+    data, ranges = buf.getvalue(), sums.ranges()
+    assert ranges is not None and len(ranges) == len(zipfile.ZipFile(io.BytesIO(data)).infolist()) + 1
+    for o, n, c in ranges:
+        assert crc32c.crc32c(data[o:o + n]) == c
+
+
+def test_an_oversized_tail_gives_up_with_a_bounded_buffer(monkeypatch):
+    monkeypatch.setattr(xser.zipranges, "TAIL_MAX", 64)
+    sums = xser.RecordSums(io.BytesIO())
+    torch.save({"a": torch.arange(4), "b": torch.arange(5)}, sums)
+    assert sums._tail is None and sums.ranges() is None
+
+
 def test_entry_json_round_trip_and_old_manifests():
     _, entry = _summed()
     assert FileEntry.from_json(json.loads(json.dumps(entry.to_json()))) == entry
