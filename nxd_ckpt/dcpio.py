@@ -4,7 +4,7 @@ Writing is a no-process-group ``dcp.save`` (DCP's planner and ``.metadata``) wit
 writer each tensor only when it asks for it: the state dict passed to ``dcp.save`` holds zero-stride
 placeholders (shape and dtype, no memory), and ``resolve_data`` gives either the joined tensor or, when the
 source can give its bytes in order piece by piece (``TensorSource.pieces``: ZeRO-1 pieces, per-TP-rank state),
-a ``_Streamed`` that the storage writer copies straight into the file, so no full tensor is built. The files
+a ``dcpwrite.Streamed`` that the storage writer copies straight into the file, so no full tensor is built. The files
 are what ``FileSystemWriter(single_file_per_rank=False)`` writes: ``.metadata`` and one ``__0_N.distcp`` per
 entry (one file per entry is also what bounds memory). Our ``manifest.json`` (size and CRC32C of every file)
 and ``done`` sit beside them, and the directory is built under ``<out>.nxdtmp`` and renamed into place.
@@ -29,7 +29,7 @@ import functools
 import io
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -174,6 +174,8 @@ def _streaming_planner(loaders: Dict[str, TensorSource], bar):
     from torch.distributed.checkpoint import DefaultSavePlanner
     from torch.distributed.checkpoint.planner import WriteItemType
 
+    from .dcpwrite import Streamed
+
     class StreamingSavePlanner(DefaultSavePlanner):
         def resolve_data(self, write_item):
             src = loaders.get(write_item.index.fqn)
@@ -181,148 +183,13 @@ def _streaming_planner(loaders: Dict[str, TensorSource], bar):
                 return super().resolve_data(write_item)
             frame = xser.tensor_frame(src.shape, src.dtype) if src.pieces is not None else None
             if frame is not None:
-                return _Streamed(src, frame, bar.update if bar is not None else None)
+                return Streamed(src, frame, bar.update if bar is not None else None)
             t = src.checked()
             if bar is not None:
                 bar.update(src.nbytes)
             return t
 
     return StreamingSavePlanner()
-
-
-@dataclass
-class _Streamed:
-    """A tensor the storage writer writes piece by piece (``TensorSource.pieces``) between its file's
-    ``frame`` (``xser.tensor_frame``): the same bytes as the joined tensor's file, with each piece copied
-    once (into the file) instead of twice (into the full tensor, then into the file), and no full tensor
-    in memory."""
-
-    src: TensorSource
-    frame: Tuple[bytes, bytes]
-    progress: Optional[Callable[[int], Any]]
-
-    def write(self, f) -> None:
-        f.write(self.frame[0])
-        written = 0
-        for piece in self.src.pieces():
-            data = piece.contiguous().reshape(-1).view(torch.uint8).numpy()
-            f.write(data)
-            written += len(data)
-            if self.progress is not None:
-                self.progress(len(data))
-            del piece, data
-        if written != self.src.nbytes:
-            raise CorruptCheckpointError(f"{self.src.name}: its pieces hold {written} bytes, its metadata says "
-                                         f"{self.src.nbytes}")
-        f.write(self.frame[1])
-
-
-#: writer threads: while one reads and joins the next tensor the other writes one (2 cores measured here)
-WRITE_THREADS = 2
-
-
-def _storage_writer(store, checkpoint_id: str, pool=None):
-    """A torch.distributed.checkpoint StorageWriter onto a ``Storage`` (a POSIX directory or an object store
-    prefix) for a no-process-group save. It writes what FileSystemWriter(single_file_per_rank=False) writes:
-    one ``__0_N.distcp`` per entry (the tensor in torch.save's format, the bytes of a non-tensor entry) and
-    the pickled ``.metadata``, so torch's FileSystemReader reads the result. One file per entry also bounds
-    memory: each tensor is dropped once written. Differences, invisible to readers: the zip CRC-32 fields are
-    0 (xser.write_tensor: nothing reads them, our CRC32C covers every byte), each file's size and CRC32C are
-    taken as it is written (``records``), files are made durable together by the caller (each file's
-    writeback is started as soon as it is written: ``start_writeback``), and ``.metadata`` is written in place
-    (the caller's ``done`` marker is the commit, not a rename). A joined tensor, once written, goes back to
-    ``pool`` (a fullstate.BufferPool) for the next one."""
-    import pickle
-    from concurrent.futures import ThreadPoolExecutor
-    from torch.distributed.checkpoint import StorageWriter
-    from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, _StorageInfo
-    from torch.distributed.checkpoint.metadata import StorageMeta
-    from torch.distributed.checkpoint.planner import WriteItemType
-    from torch.distributed.checkpoint.storage import WriteResult
-
-    from .storage.local import start_writeback
-
-    class Writer(StorageWriter):
-        def __init__(self):
-            super().__init__()
-            self.records: Dict[str, Any] = {}
-            self.save_id = _new_id()
-            self.writeback = None
-
-        def reset(self, checkpoint_id=None) -> None:
-            pass
-
-        def set_up_storage_writer(self, is_coordinator: bool, *args, **kwargs) -> None:
-            pass
-
-        def prepare_local_plan(self, plan):
-            return plan
-
-        def prepare_global_plan(self, plans):
-            return plans
-
-        def _write(self, name: str, item, planner) -> WriteResult:
-            data = planner.resolve_data(item)
-            if isinstance(data, _Streamed):
-                produce = data.write
-            elif item.type == WriteItemType.BYTE_IO:
-                produce = lambda f: f.write(data.getbuffer())  # noqa: E731
-            else:
-                produce = lambda f: xser.write_tensor(data, f)  # noqa: E731
-            rec = store.write_file(name, produce, durable=False, atomic=False)
-            del produce
-            local = store.local_path(name) if self.writeback is not None else None
-            if local is not None:
-                self.writeback.submit(start_writeback, local)
-            if isinstance(data, torch.Tensor) and pool is not None:
-                pool.give_back(data)
-            self.records[name] = rec
-            return WriteResult(index=item.index, size_in_bytes=rec.size,
-                               storage_data=_StorageInfo(name, 0, rec.size))
-
-        def write_data(self, plan, planner):
-            # one thread starts the disk writing each finished file (a hint; the caller's sync is the
-            # durability) while the writer threads go on
-            try:
-                with ThreadPoolExecutor(1, thread_name_prefix="to-dcp-writeback") as self.writeback, \
-                        ThreadPoolExecutor(WRITE_THREADS, thread_name_prefix="to-dcp") as pool:
-                    futures = [pool.submit(self._write, f"__0_{i}.distcp", item, planner)
-                               for i, item in enumerate(plan.items)]
-                    try:
-                        results = [f.result() for f in futures]
-                    except BaseException:
-                        for f in futures:
-                            f.cancel()
-                        raise
-            finally:
-                self.writeback = None
-            done = torch.futures.Future()
-            done.set_result(results)
-            return done
-
-        def finish(self, metadata, results) -> None:
-            import dataclasses
-
-            metadata = dataclasses.replace(metadata, version=CURRENT_DCP_VERSION)
-            metadata.storage_data = {wr.index: wr.storage_data for rs in results for wr in rs}
-            metadata.storage_meta = self.storage_meta()
-            self.records[".metadata"] = store.write_file(".metadata", lambda f: pickle.dump(metadata, f),
-                                                         durable=False, atomic=False)
-
-        def storage_meta(self):
-            return StorageMeta(checkpoint_id=checkpoint_id, save_id=self.save_id)
-
-        @classmethod
-        def validate_checkpoint_id(cls, checkpoint_id) -> bool:
-            return True
-
-    return Writer()
-
-
-def _new_id() -> str:
-    import uuid
-
-    return str(uuid.uuid4())
 
 
 @contextlib.contextmanager
@@ -344,6 +211,8 @@ def write_dcp(state: FullState, dst: str, layout_kind: str = "plain", *, progres
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
+    from .dcpwrite import WRITE_THREADS, DcpStorageWriter
+
     if layout_kind not in LAYOUTS:
         raise CheckpointArgumentError(f"--layout {layout_kind!r} is not one of {', '.join(LAYOUTS)}")
     sd, loaders = build_state_dict(state, layout_kind)
@@ -351,7 +220,7 @@ def write_dcp(state: FullState, dst: str, layout_kind: str = "plain", *, progres
             output_tree(dst) as store:
         try:
             with _quiet_dcp(), reused_buffers(WRITE_THREADS) as pool:
-                writer = _storage_writer(store, dst, pool)
+                writer = DcpStorageWriter(store, dst, pool)
                 dcp.save(sd, storage_writer=writer, planner=_streaming_planner(loaders, bar), no_dist=True)
         except CheckpointException as exc:
             raise _first_cause(exc) from None

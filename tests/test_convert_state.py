@@ -437,7 +437,17 @@ def test_to_dcp_streams_pieces_into_the_bytes_of_the_joined_tensor(tmp_path, mon
         if t.pieces is not None:
             streamed = b"".join(p.contiguous().view(torch.uint8).numpy().tobytes() for p in t.pieces())
             assert streamed == t.checked().contiguous().view(torch.uint8).numpy().tobytes(), name
+    from nxd_ckpt import dcpwrite
+
+    streamed_names, joined_names = [], []
+    real_write, real_checked = dcpwrite.Streamed.write, fullstate.TensorSource.checked
+    monkeypatch.setattr(dcpwrite.Streamed, "write", lambda self, f: streamed_names.append(self.src.name) or
+                        real_write(self, f))
+    monkeypatch.setattr(fullstate.TensorSource, "checked", lambda self: joined_names.append(self.name) or
+                        real_checked(self))
     assert main(["to-dcp", str(tmp_path / "a"), str(tmp_path / "d")]) == 0
+    assert sorted(streamed_names) == sorted(set(sources) - joined)      # each streamed once, none joined
+    assert set(joined_names) == joined
     meta = FileSystemReader(str(tmp_path / "d")).read_metadata()
     checked = 0
     for index, info in meta.storage_data.items():
@@ -468,3 +478,21 @@ def test_to_dcp_starts_the_writeback_of_each_file_as_it_is_written(tmp_path, mon
     names = {os.path.basename(p) for p in hinted}
     assert names == {n for n in os.listdir(tmp_path / "d") if n.endswith(".distcp")} and len(hinted) == len(names)
     assert all(os.path.dirname(p) == str(tmp_path / "d.nxdtmp") for p in hinted)
+
+
+def test_to_dcp_logs_a_failed_writeback_hint_and_still_writes(tmp_path, monkeypatch, caplog):
+    """The writeback is a hint: its failure is logged (warning, naming the file) and the output is complete."""
+    from nxd_ckpt.storage import local
+
+    def broken(path):
+        raise OSError(5, "EIO from the hint")
+
+    monkeypatch.setattr(local, "start_writeback", broken)
+    state, _ = full_state()
+    write_tag(state, str(tmp_path / "a"), TagSizes(2, 1, 1, False), converted_from={})
+    with caplog.at_level("WARNING", logger="nxd_ckpt"):
+        assert main(["to-dcp", str(tmp_path / "a"), str(tmp_path / "d")]) == 0
+    failed = [r.getMessage() for r in caplog.records if "starting the writeback" in r.getMessage()]
+    distcp = [n for n in os.listdir(tmp_path / "d") if n.endswith(".distcp")]
+    assert len(failed) == len(distcp) > 0 and all("EIO from the hint" in m for m in failed)
+    assert (tmp_path / "d" / ".metadata").is_file() and (tmp_path / "d" / "done").exists()
