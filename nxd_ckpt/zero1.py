@@ -923,8 +923,9 @@ def _rank_of(rel: str, topo: dict) -> int:
             return 0
         s = layout.ShardName(0, f.tp, f.pp, f.ep)
     tp, dp, cp, ep = (int(topo.get(k) or 1) for k in ("tp", "dp", "cp", "ep"))
-    # an ep_rank field: the file's dp field is the expert-DP rank, and (edp, ep) is DP rank edp * EP + ep of the
-    # [PP, EDP, EP, TP] view (ZeRO-1 files carry the full DP rank and no ep field)
+    # an ep_rank file is written by expert-DP rank 0 of its EP rank: NxD's _get_path names it with dp=False, so
+    # its dp field is always 00 (read as the expert-DP rank were it not), and (edp, ep) is DP rank edp * EP + ep
+    # of the [PP, EDP, EP, TP] view; ZeRO-1 files carry the full DP rank and no ep field
     d = s.dp * ep + s.ep if s.ep is not None else s.dp
     return ((s.pp * dp + d) * cp) * tp + s.tp
 

@@ -5,6 +5,7 @@ taken on the whole model in one process) bit for bit, parameters and both Adam m
 EP layout, which loads at EP=2 bit-exact; export joins the experts."""
 from __future__ import annotations
 
+import itertools
 import os
 
 import pytest
@@ -317,3 +318,19 @@ def test_load_checkpoint_reads_the_masters_reshard_ep_carried(tmp_path):
     assert main(["reshard", str(tmp_path / "src"), str(tmp_path / "ep2"), "--ep", "2", "--dp", "4", "--expert", "w",
                  "--expert", "v"]) == 0
     assert run_ranks(_load_masters_at_ep1, 1, str(tmp_path), timeout=120) == [True]
+
+
+def test_rank_of_names_the_owner_on_the_expert_grid_at_ep2_dp4():
+    """EP=2 x DP=4 (expert-DP 2), TP=2: an EP file (dp field 00, as NxD names them) belongs to expert-DP rank 0 of
+    its EP rank, a ZeRO-1 file to its DP rank; both agree with parallel_state's rank grid."""
+    from parallel_state.topology import Topology
+
+    from nxd_ckpt.zero1 import _rank_of
+
+    topo, grid = {"tp": 2, "dp": 4, "ep": 2, "pp": 1}, Topology(8, tp=2, pp=1, cp=1, ep=2)
+    for e, t in itertools.product(range(2), range(2)):
+        rel = f"model/dp_rank_00_ep_rank_{e:02d}_tp_rank_{t:02d}_pp_rank_00.pt"
+        assert _rank_of(rel, topo) == grid.expert_rank_of(0, 0, e, t) == e * 2 + t, rel
+    # a dp field of 1 (not NxD's naming, read as the expert-DP rank): expert-DP rank 1 of EP rank e
+    assert _rank_of("model/dp_rank_01_ep_rank_01_tp_rank_01_pp_rank_00.pt", topo) == grid.expert_rank_of(0, 1, 1, 1) == 7
+    assert [_rank_of(f"optim/dp_rank_{d:02d}_tp_rank_01_pp_rank_00.pt", topo) for d in range(4)] == [1, 3, 5, 7]
