@@ -7,6 +7,7 @@ whether it was written, failed or dropped.
 """
 from __future__ import annotations
 
+import functools
 import io
 import queue
 import traceback
@@ -22,6 +23,10 @@ from .staging import HostLease, no_lease
 from .storage import FileRecord, Storage
 
 _END = object()
+# A batch of small files is one pool task: per-file futures, locks and callbacks cost more than writing a
+# 100 KB file from memory. Capped in bytes so that large files still spread over every writer thread.
+BATCH_FILES = 32
+BATCH_BYTES = 4 << 20
 
 
 @dataclass
@@ -92,6 +97,26 @@ class TaskQueue:
                 return
             yield task
 
+    def batches(self, max_files: int, max_bytes: int) -> Iterator[List[WriteTask]]:
+        """The tasks in batches: each waits for one task, then takes what is already queued, up to
+        ``max_files`` tasks or until their leases reach ``max_bytes`` (a batch never waits for more work)."""
+        while True:
+            task = self._q.get()
+            if task is _END:
+                return
+            batch, size = [task], task.lease.nbytes
+            while len(batch) < max_files and size < max_bytes:
+                try:
+                    task = self._q.get_nowait()
+                except queue.Empty:
+                    break
+                if task is _END:
+                    yield batch
+                    return
+                batch.append(task)
+                size += task.lease.nbytes
+            yield batch
+
     def drain(self) -> None:
         """Drop every task until the producer closes the queue (so it never waits on a dead consumer)."""
         for task in self:
@@ -125,16 +150,17 @@ class WritePool:
         durable in one batch. Blocks the calling thread (the runner) until then; never raises: the first
         failure is described in the result, and the tasks after it are dropped (their memory released)."""
         pool = self._executor(max(1, workers))
+        write = functools.partial(_write_one, storage, workdir)
         futures: List[Future] = []
         failed: List[Future] = []      # appended by done-callbacks: no rescan of every future per task (O(n^2))
         error: Optional[str] = None
-        for task in tasks:
+        for batch in tasks.batches(BATCH_FILES, BATCH_BYTES):
             if error is None and failed:
                 error = describe(failed[0].exception())
             if error is not None:
-                _settle(task, None)
+                _drop(batch)
                 continue
-            fut = pool.submit(_settle, task, lambda t: _write_one(storage, workdir, t))
+            fut = pool.submit(_write_batch, batch, write)
             fut.add_done_callback(lambda f: f.exception() is not None and failed.append(f))
             futures.append(fut)
         wait(futures)
@@ -143,10 +169,28 @@ class WritePool:
             if f.exception() is not None:
                 error = error or describe(f.exception())
             else:
-                records.append(f.result())
+                records.extend(f.result())
         if error is None:
             error = _make_durable(storage, workdir, records)
         return WriteResult(records, error, sum(r.size for r in records))
+
+
+def _write_batch(batch: List[WriteTask], write: Callable[[WriteTask], FileRecord]) -> List[FileRecord]:
+    """Write the files of ``batch`` in order (one pool task for many small files: no future per file);
+    on the first failure the rest are dropped and the failure raised."""
+    records: List[FileRecord] = []
+    for i, task in enumerate(batch):
+        try:
+            records.append(_settle(task, write))
+        except BaseException:
+            _drop(batch[i + 1:])
+            raise
+    return records
+
+
+def _drop(batch: List[WriteTask]) -> None:
+    for task in batch:
+        _settle(task, None)
 
 
 def _settle(task: WriteTask, write: Optional[Callable[[WriteTask], FileRecord]]):

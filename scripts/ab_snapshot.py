@@ -9,6 +9,10 @@ The pool persists across the variants (``old`` never touches it), so ``pool_*`` 
 training run's repeated saves.
 
     python scripts/ab_snapshot.py --size-gb 1 --tensors 300 --rounds 4 --dir /tmp/ab --out bench_out/ab.json
+
+``--lever`` A/Bs one save-path lever instead (``before`` against ``after``, the snapshot as nxd_ckpt does it):
+``write_batch`` (one writer-pool task per file against batches of small files) or ``manifest_json`` (the
+manifest indented against compact).
 """
 from __future__ import annotations
 
@@ -28,6 +32,23 @@ import bench  # noqa: E402
 import torch  # noqa: E402
 
 VARIANTS = ("old", "pool_copy_", "new")
+LEVERS = ("write_batch", "manifest_json")
+
+
+def _set_lever(lever: str, variant: str) -> None:
+    import json as _json
+
+    from nxd_ckpt import manifest, writepool
+
+    after = variant == "after"
+    if lever == "write_batch":
+        writepool.BATCH_FILES = 32 if after else 1
+    elif lever == "manifest_json":
+        manifest.Manifest.body = (_BODY if after else
+                                  (lambda self: _json.dumps(self.to_json(), indent=1).encode()))
+
+
+_BODY = None
 
 
 def _cpu() -> float:
@@ -59,7 +80,12 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--dir", default="/tmp/nxd_ckpt_ab")
     p.add_argument("--out")
+    p.add_argument("--lever", choices=LEVERS)
     args = p.parse_args()
+    global _BODY
+    from nxd_ckpt import manifest
+    _BODY = manifest.Manifest.body
+    variants = ("before", "after") if args.lever else VARIANTS
     import nxd_ckpt
     import nxd_ckpt.engine as engine
     import nxd_ckpt.staging as staging
@@ -70,6 +96,9 @@ def main() -> int:
     new_copy, memmove_into = staging.copy_to_host, staging._copy_into
 
     def one(variant: str, i: int) -> dict:
+        if args.lever:
+            _set_lever(args.lever, variant)
+            variant = "new"
         engine.copy_to_host = _old_copy if variant == "old" else new_copy
         staging._copy_into = _torch_copy_into if variant == "pool_copy_" else memmove_into
         shutil.rmtree(args.dir, ignore_errors=True)
@@ -85,15 +114,15 @@ def main() -> int:
         return {"stall_s": stall, "commit_s": nxd_ckpt.save_stats()[-1]["commit_s"], "cpu_s_per_gb": (_cpu() - c0) / gb,
                 "stall_cpu_s_per_gb": c_stall / gb, "stall_faults_mb": faults * 4096 / 2 ** 20}
 
-    for v in VARIANTS:
+    for v in variants:
         one(v, 0)                                 # warm-up (fills the pool)
-    res, loads = {v: [] for v in VARIANTS}, []
+    res, loads = {v: [] for v in variants}, []
     for r in range(args.rounds):
-        for v in (VARIANTS if r % 2 == 0 else VARIANTS[::-1]):
+        for v in (variants if r % 2 == 0 else variants[::-1]):
             res[v].append(one(v, r + 1))
         loads.append(os.getloadavg()[0])
     shutil.rmtree(args.dir, ignore_errors=True)
-    out = {"bytes": nbytes, "tensors": args.tensors, "state": args.state, "rounds": args.rounds, "load1": loads,
+    out = {"lever": args.lever, "bytes": nbytes, "tensors": args.tensors, "state": args.state, "rounds": args.rounds, "load1": loads,
            "median": {v: {k: statistics.median(x[k] for x in res[v]) for k in res[v][0]} for v in res},
            "pool_held_mb": engine.get_engine().buffers.held_bytes / 2 ** 20}
     text = json.dumps(out, indent=1)

@@ -1,0 +1,63 @@
+"""The write pool's batches of small files: exact records, bounded batches, and leases given back on failure."""
+import os
+
+import crc32c
+import pytest
+
+from nxd_ckpt import writepool
+from nxd_ckpt.staging import HostBudget
+from nxd_ckpt.storage.local import LocalStorage
+from nxd_ckpt.writepool import TaskQueue, WritePool, WriteTask, bytes_task, failing_task
+
+
+def _leased(budget: HostBudget, relpath: str, data: bytes) -> WriteTask:
+    return WriteTask(relpath, lambda f: f.write(data), budget.lease(len(data), timeout=5))
+
+
+def test_batches_take_only_what_is_queued_and_respect_caps():
+    budget = HostBudget(1 << 30)
+    q = TaskQueue()
+    for i in range(5):
+        q.add(_leased(budget, f"s{i}", b"x" * 10))
+    q.add(_leased(budget, "big", b"x" * 100))
+    q.add(_leased(budget, "after", b"x" * 10))
+    q.close()
+    got = [[t.relpath for t in b] for b in q.batches(max_files=3, max_bytes=50)]
+    # 3 files at most; a batch ends once its leases reach max_bytes (the big file ends its batch).
+    assert got == [["s0", "s1", "s2"], ["s3", "s4", "big"], ["after"]]
+
+
+def test_write_all_batches_records_every_file_exactly(tmp_path):
+    payloads = {f"d/t_{i}.pt": os.urandom(100 + i) for i in range(100)}
+    budget = HostBudget(1 << 30)
+    q = TaskQueue()
+    for rel, data in payloads.items():
+        q.add(_leased(budget, rel, data))
+    q.close()
+    res = WritePool().write_all(q, LocalStorage(str(tmp_path)), "w", workers=4)
+    assert res.error is None
+    assert sorted(r.relpath for r in res.records) == sorted(payloads)
+    assert len(res.records) == len(payloads)
+    for r in res.records:
+        data = payloads[r.relpath]
+        assert (tmp_path / "w" / r.relpath).read_bytes() == data
+        assert (r.size, r.crc32c) == (len(data), crc32c.crc32c(data))
+    assert res.nbytes == sum(len(d) for d in payloads.values())
+    assert budget.used == 0
+
+
+@pytest.mark.parametrize("batch_files", [1, writepool.BATCH_FILES])
+def test_failure_inside_a_batch_releases_every_lease(tmp_path, monkeypatch, batch_files):
+    monkeypatch.setattr(writepool, "BATCH_FILES", batch_files)
+    budget = HostBudget(1 << 30)
+    q = TaskQueue()
+    for i in range(10):
+        q.add(_leased(budget, f"a_{i}", b"y" * 64))
+    q.add(failing_task(RuntimeError("snapshot broke: tensor 7 is gone")))
+    for i in range(10):
+        q.add(_leased(budget, f"b_{i}", b"y" * 64))
+    q.add(bytes_task("ref.pt", b"ref"))
+    q.close()
+    res = WritePool().write_all(q, LocalStorage(str(tmp_path)), "w", workers=2)
+    assert res.error == "RuntimeError: snapshot broke: tensor 7 is gone"
+    assert budget.used == 0
