@@ -8,11 +8,12 @@ takes the CRC32C of every record (local header + data; the 16-byte data descript
 left out) and of the tail (central directory to the end) as the bytes go by, so no byte is read back.
 
 torch's writer issues one write per local header, name, padding, data and descriptor; a record starts at a write
-of a local header and ends at its data descriptor (or, for an empty tensor, after the sizes its header gives); the tail starts at a central-directory entry. Headers are
-recognised only between records (a tensor's data may start with any bytes), and the tail is kept only up to
-``TAIL_MAX`` bytes. The boundaries are then checked against the file's own central directory; anything unexpected
-(another writer, another torch, a tail over the bound) gives no ranges (None), logged once at warning level, and a
-reader then checks the whole file instead.
+of a local header and ends at its data descriptor (an empty tensor's, whose header gives its sizes, has none); the
+tail starts at a central-directory entry. Headers and descriptors are recognised only where they can be (between
+records; a descriptor names the size of the data written since its header), as a tensor's data may start with any
+bytes, and the tail is kept only up to ``TAIL_MAX`` bytes. The boundaries are then checked against the file's own
+central directory; anything unexpected (another writer, another torch, a tail over the bound) gives no ranges
+(None), logged once at warning level, and a reader then checks the whole file instead.
 """
 from __future__ import annotations
 
