@@ -225,8 +225,9 @@ class FileReader:
             if problem is not None:
                 raise self._corrupt(relpath, problem)
             read = rangecheck.CheckedRanges(read, entry, name, self.hint, lambda: self.check_file(relpath)).read
+        ends = {r.offset: r.end for r in entry.ranges} if entry is not None and entry.ranges is not None else None
         return self._unpickled(relpath, lambda: xser.open_lazy(read, size, trusted=self.trusted, name=name,
-                                                               check_crc32=entry is None))
+                                                               check_crc32=entry is None, record_ends=ends))
 
     def lazy_tensor(self, relpath: str, lazy: "xser.LazyFile", t) -> torch.Tensor:
         """``lazy.tensor(t)`` of the shard ``relpath`` that ``plain_lazy`` opened, its errors named as ours."""

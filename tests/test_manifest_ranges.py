@@ -249,3 +249,27 @@ def test_checked_ranges_keep_a_bounded_amount(monkeypatch):
     assert len(log) == before
     reader.read(entry.ranges[0].offset, 4)           # the first was evicted: read (and checked) again
     assert log[-1] == entry.ranges[0].offset
+
+
+def test_a_view_into_a_record_over_the_keep_bound_reads_the_record_once(monkeypatch):
+    """A tensor at a storage offset > 0 whose record is too big to keep: its data offset comes from the record's
+    checksummed range (record end less data size), so the record is read (and checked) once, not once for the
+    local header and again for the data."""
+    from nxd_ckpt import rangecheck
+
+    monkeypatch.setattr(rangecheck, "_KEEP", 4096)
+    full = torch.arange(1 << 14, dtype=torch.float32)
+    buf = io.BytesIO()
+    sums = xser.RecordSums(buf)
+    torch.save({"v": full[100:]}, sums)
+    data = buf.getvalue()
+    entry = FileEntry.from_json({"size": len(data), "crc32c": f"{crc32c.crc32c(data):08x}",
+                                 "ranges": [[o, n, f"{c:08x}"] for o, n, c in sums.ranges()]})
+    big = max(entry.ranges, key=lambda r: r.length)
+    log = []
+    raw = lambda o, n: log.append((o, n)) or data[o:o + n]    # noqa: E731
+    lazy = xser.open_lazy(CheckedRanges(raw, entry, "f.pt", "", lambda: None).read, len(data), name="f.pt",
+                          record_ends={r.offset: r.end for r in entry.ranges})
+    log.clear()
+    assert torch.equal(lazy.tensor(lazy.data["v"]), full[100:])
+    assert log == [(big.offset, big.length)]

@@ -50,6 +50,7 @@ class LazyFile:
     _storages: Dict[int, Tuple[str, int]]          # meta storage -> (record key, bytes)
     _offsets: Dict[str, int] = field(default_factory=dict)
     _check_crc32: bool = False
+    _record_ends: Dict[int, int] = field(default_factory=dict)   # header offset -> end of the record's data
 
     def tensor(self, t):
         """The CPU tensor that ``t`` (a tensor of ``data``) stands for, read from the file; anything else as it is.
@@ -97,10 +98,14 @@ class LazyFile:
         header; a record read from its start for the first time comes with its header in one request (the data
         offset predicted from torch's 64-byte alignment and checked against the header), so a tensor costs one
         read (one ranged GET on an object store); when the data starts later than predicted, a second read fetches
-        just the missing tail."""
+        just the missing tail. Where the caller gave the record's end (``record_ends``: checksummed ranges whose
+        reads verify whole records), the data offset is that end less the data's size, and no header is read."""
+        info = self._info(key)
+        end = self._record_ends.get(info.header_offset)
+        if end is not None and key not in self._offsets:    # known from the caller's record map: no header read
+            self._offsets[key] = end - info.file_size
         if key in self._offsets or start:
             return self._exact(self._data_offset(key) + start, length, key)
-        info = self._info(key)
         head = info.header_offset
         natural = head + _LOCAL_HEADER.size + len(info.orig_filename.encode())
         guess = -(-(natural + 4) // _ALIGN) * _ALIGN
@@ -149,11 +154,13 @@ def _zip_crc(info: zipfile.ZipInfo) -> Optional[int]:
 
 
 def open_lazy(read: ReadRange, size: int, *, trusted: bool = False, name: str = "<file>",
-              check_crc32: bool = False) -> Optional[LazyFile]:
+              check_crc32: bool = False, record_ends: Optional[Dict[int, int]] = None) -> Optional[LazyFile]:
     """The file of ``size`` bytes behind ``read``, with its pickle unpickled and no tensor read; None when it is not
     a zip ``torch.save`` file whose records are stored uncompressed in little-endian byte order (a legacy file:
     read it whole). ``check_crc32``: verify every record read against the zip's own CRC-32 (module docstring).
-    Raises xser's errors: CorruptFileError, UnsafeCheckpointError."""
+    ``record_ends``: where each record (by its local header's offset) ends, when the caller knows (a reader whose
+    every read pulls whole records then reads no header on its own). Raises xser's errors: CorruptFileError,
+    UnsafeCheckpointError."""
     try:
         zf = zipfile.ZipFile(RangeFile(read, size))
     except zipfile.BadZipFile:
@@ -171,7 +178,8 @@ def open_lazy(read: ReadRange, size: int, *, trusted: bool = False, name: str = 
     with _load_errors(name, trusted), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="TypedStorage is deprecated")   # the pickle names typed storages
         data = _unpickle(_record(zf, pkl[0], read, check_crc32, name), trusted, storages)
-    return LazyFile(data, name, read, zf, prefix, storages, _check_crc32=check_crc32)
+    return LazyFile(data, name, read, zf, prefix, storages, _check_crc32=check_crc32,
+                    _record_ends=dict(record_ends or {}))
 
 
 def _record(zf: zipfile.ZipFile, record: str, read: ReadRange, check_crc32: bool, name: str) -> bytes:
