@@ -4,7 +4,10 @@ Writing is a no-process-group ``dcp.save`` (DCP's planner and ``.metadata``) wit
 writer each tensor only when it asks for it: the state dict passed to ``dcp.save`` holds zero-stride
 placeholders (shape and dtype, no memory), and ``resolve_data`` gives either the joined tensor or, when the
 source can give its bytes in order piece by piece (``TensorSource.pieces``: ZeRO-1 pieces, per-TP-rank state),
-a ``dcpwrite.Streamed`` that the storage writer copies straight into the file, so no full tensor is built. The files
+a ``dcpwrite.Streamed`` that the storage writer copies straight into the file, so no full tensor is built for it
+(tensors of 1 GiB or more and the dtypes ``xser.tensor_frame`` declines are joined; a row-parallel tensor whose
+pieces are whole TP shards has all of them mapped at once while it is interleaved: README "Moving to native
+PyTorch"). The files
 are what ``FileSystemWriter(single_file_per_rank=False)`` writes: ``.metadata`` and one ``__0_N.distcp`` per
 entry (one file per entry is also what bounds memory). Our ``manifest.json`` (size and CRC32C of every file)
 and ``done`` sit beside them, and the directory is built under ``<out>.nxdtmp`` and renamed into place.
