@@ -6,20 +6,20 @@ returns the requested bytes; the most recently read ranges, up to 16 MiB in all,
 zip reader asks for the central directory and the pickle's record in several small pieces (a tensor's record is
 asked for once; the bound keeps a file of many small tensors from piling up). A request that touches bytes no range covers (a zip
 data descriptor, which no reader here uses) falls back to one streaming check of the whole file, once.
-``stream_mismatch`` is the whole-file check that also checks every range, in one pass (``verify``).
+``stream_mismatch`` is the whole-file check that also checks every range, in one pass over ``Storage.blocks``
+(``verify``).
 """
 from __future__ import annotations
 
 import bisect
 import collections
 import threading
-from typing import Callable, List, Optional
+from typing import Callable, Iterable, List, Optional
 
 import crc32c as _crc32c
 
 from .errors import CorruptCheckpointError
 from .manifest import FileEntry, RangeSum
-from .storage.base import READ_BLOCK
 
 _KEEP = 16 << 20         # bytes of checked ranges kept for repeated small reads (directory, pickle)
 
@@ -98,16 +98,13 @@ class CheckedRanges:
                 self._kept_bytes -= len(self._kept.popitem(last=False)[1])
 
 
-def stream_mismatch(raw: Callable[[int, int], bytes], entry: FileEntry) -> Optional[str]:
+def stream_mismatch(blocks: Iterable[memoryview], entry: FileEntry) -> Optional[str]:
     """What is wrong with the file against ``entry``: its size, its whole CRC32C, then each of its ranges' (first
-    failing one), all in one streaming pass of READ_BLOCK reads; None when all match."""
+    failing one), all in one streaming pass over its ``blocks`` (``Storage.blocks``); None when all match."""
     ranges = entry.ranges or ()
     crc = rcrc = pos = ri = 0
     problem = None
-    while pos < entry.size:
-        block = raw(pos, min(READ_BLOCK, entry.size - pos))
-        if not block:
-            break
+    for block in blocks:
         mv = memoryview(block).cast("B")
         crc = _crc32c.crc32c(mv, crc)
         end = pos + len(mv)

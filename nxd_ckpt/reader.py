@@ -139,7 +139,7 @@ class FileReader:
             if entry is None or entry.mismatch(size, None):
                 return None if entry is None else entry.mismatch(size, None)
             if records and entry.ranges is not None:
-                return rangecheck.stream_mismatch(lambda o, n: self.storage.read(full, o, n), entry)
+                return rangecheck.stream_mismatch(self.storage.blocks(full), entry)
             size, crc = self.storage.crc32c(full)
         except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
             return "is missing"

@@ -163,12 +163,12 @@ def test_checked_ranges_read_only_and_verify_what_is_asked():
 
 def test_stream_mismatch_checks_the_file_and_each_record():
     data, entry = _summed()
-    read = lambda o, n: data[o:o + n]  # noqa: E731
-    assert stream_mismatch(read, entry) is None
+    read = lambda: (memoryview(data)[o:o + 100] for o in range(0, len(data), 100))  # noqa: E731
+    assert stream_mismatch(read(), entry) is None
     r = entry.ranges[2]
     wrong = FileEntry(entry.size, entry.crc32c, None,
                       entry.ranges[:2] + (manifest_mod.RangeSum(r.offset, r.length, "deadbeef"),) + entry.ranges[3:])
-    assert stream_mismatch(read, wrong) == (f"fails its checksum on bytes {r.offset}..{r.end}: expected crc32c "
+    assert stream_mismatch(read(), wrong) == (f"fails its checksum on bytes {r.offset}..{r.end}: expected crc32c "
                                             f"deadbeef, found {r.crc32c} (damaged)")
 
 

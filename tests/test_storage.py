@@ -246,3 +246,27 @@ def test_memory_buckets_are_shared_by_name():
     a.write_bytes("x", b"1")
     assert open_storage("mem://shared-bucket/p").read("x") == b"1"
     assert memory_bucket("shared-bucket").get("p/x") == b"1"
+
+
+def test_local_blocks_read_one_open_file_into_one_buffer(tmp_path, monkeypatch):
+    """A streaming pass (crc32c, verify's per-record check) over a local file opens it once and reads every block
+    into the same buffer; the base class's ranged blocks give the same bytes and checksum."""
+    import builtins
+
+    import crc32c as crc32c_mod
+
+    from nxd_ckpt.storage import base, local
+
+    data = os.urandom(5500)
+    (tmp_path / "f").write_bytes(data)
+    monkeypatch.setattr(local, "READ_BLOCK", 1000)
+    monkeypatch.setattr(base, "READ_BLOCK", 1000)
+    opened = []
+    monkeypatch.setattr(local, "open", lambda *a, **k: opened.append(a[0]) or builtins.open(*a, **k), raising=False)
+    store = local.LocalStorage(str(tmp_path))
+    blocks = [(bytes(b), b.obj) for b in store.blocks("f")]
+    assert [len(b) for b, _ in blocks] == [1000] * 5 + [500] and b"".join(b for b, _ in blocks) == data
+    assert len({id(o) for _, o in blocks}) == 1 and opened == [str(tmp_path / "f")]
+    assert store.crc32c("f") == (5500, crc32c_mod.crc32c(data))
+    ranged = [bytes(b) for b in base.Storage.blocks(store, "f")]
+    assert ranged == [b for b, _ in blocks] and len(opened) == 1 + 1 + 6     # crc32c once, then a read per block

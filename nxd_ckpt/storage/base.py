@@ -21,6 +21,15 @@ import crc32c as _crc32c
 #: block size of streaming checksum reads
 READ_BLOCK = 8 << 20
 
+def crc32c_of_blocks(blocks: Iterable[memoryview]) -> Tuple[int, int]:
+    """(bytes, CRC32C) of a stream of blocks (``Storage.blocks``)."""
+    size = crc = 0
+    for block in blocks:
+        crc = _crc32c.crc32c(block, crc)
+        size += len(block)
+    return size, crc
+
+
 # A test hook: called with (relpath) before every file write; it may block or raise (fault injection).
 _write_hook: Optional[Callable[[str], None]] = None
 
@@ -215,13 +224,20 @@ class Storage(ABC):
         finally:
             os.close(fd)
 
-    def crc32c(self, relpath: str) -> tuple:
-        """(size, CRC32C) of one file without holding it in memory: ranged reads of READ_BLOCK bytes
-        (LocalStorage reads the file in blocks into one reused buffer)."""
-        total, crc = self.size(relpath), 0
+    def blocks(self, relpath: str) -> Iterator[memoryview]:
+        """One file's bytes in order, READ_BLOCK at a time, for a streaming pass (checksums): ranged reads here;
+        LocalStorage reads through one open file into one reused buffer, so a block is valid only until the
+        next is asked for. Raises FileNotFoundError for a missing file when the first block is asked for."""
+        total = self.size(relpath)
         for off in range(0, total, READ_BLOCK):
-            crc = _crc32c.crc32c(self.read(relpath, off, min(READ_BLOCK, total - off)), crc)
-        return total, crc
+            data = self.read(relpath, off, min(READ_BLOCK, total - off))
+            if not data:
+                return
+            yield memoryview(data).cast("B")
+
+    def crc32c(self, relpath: str) -> tuple:
+        """(size, CRC32C) of one file without holding it in memory (``blocks``)."""
+        return crc32c_of_blocks(self.blocks(relpath))
 
     def exists(self, relpath: str) -> bool:
         """A file or a non-empty directory (like os.path.exists)."""

@@ -9,27 +9,25 @@ import os
 import shutil
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Iterable, List, Optional, Tuple
+from typing import Iterable, Iterator, List, Optional, Tuple
 
 from ..layout import TMP_SUFFIX
-import crc32c as _crc32c
 
 from .base import READ_BLOCK, Capabilities, FileRecord, AlreadyExistsError, Sink, Stat, Storage
 
 
-def file_crc32c(path: str) -> Tuple[int, int]:
-    """(size, CRC32C) of a local file, read in large blocks into one reused buffer."""
-    crc, size = 0, 0
-    buf = bytearray(min(READ_BLOCK, max(1, os.path.getsize(path))))
-    view = memoryview(buf)
+def file_blocks(path: str) -> Iterator[memoryview]:
+    """A local file's bytes in READ_BLOCK blocks, read through one open file into one reused buffer (each block
+    valid until the next is asked for)."""
     with open(path, "rb", buffering=0) as f:
+        buf = bytearray(min(READ_BLOCK, max(1, os.fstat(f.fileno()).st_size)))
+        view = memoryview(buf)
         while True:
             n = f.readinto(buf)
             if not n:
-                break
-            crc = _crc32c.crc32c(view[:n], crc)
-            size += n
-    return size, crc
+                return
+            yield view[:n]
+
 
 _SYNC_THREADS = 8
 
@@ -180,8 +178,8 @@ class LocalStorage(Storage):
             out += [name if rel == "." else f"{rel}/{name}" for name in files]
         return sorted(out)
 
-    def crc32c(self, relpath: str) -> Tuple[int, int]:
-        return file_crc32c(self.path(relpath))
+    def blocks(self, relpath: str) -> Iterator[memoryview]:
+        return file_blocks(self.path(relpath))
 
     def stat(self, relpath: str) -> Stat:
         st = os.stat(self.path(relpath))
