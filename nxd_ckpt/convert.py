@@ -191,11 +191,7 @@ def mark_experts(state: FullState, globs: Sequence[str], ep: int, flag_src: str)
                                           f"{', '.join(names[:3])}); fix the pattern")
     if globs:
         state.experts = frozenset(n for n in names if any(fnmatch.fnmatchcase(n, g) for g in globs))
-    if ep > 1 and not state.experts:
-        raise CheckpointArgumentError(
-            f"--ep {ep}: {flag_src} records no expert tensors, so nothing would be split over EP; name them with "
-            "--expert GLOB (repeatable; tensors whose dim 0 holds the experts, e.g. --expert '*.mlp.experts.*'), "
-            "or pass --ep 1")
+    # --ep > 1 with no expert tensor at all is refused by tagwrite.plan_check, for every writer
 
 
 def import_hf(args) -> ConvertSummary:

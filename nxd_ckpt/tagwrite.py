@@ -135,8 +135,9 @@ def plan_check(state: FullState, sizes: TagSizes) -> Dict[str, int]:
                                   f"split into --ep {sizes.ep} equal runs; choose an --ep that divides "
                                   f"{t.shape[0] if t.shape else 0} (or leave {t.name} out of the expert tensors)")
     if sizes.ep > 1 and not state.experts:
-        raise ConversionError(f"--ep {sizes.ep}: the source marks no tensor as an expert (expert_model_parallel), so "
-                              "there is nothing to split over EP; name them with --expert GLOB, or pass --ep 1")
+        raise ConversionError(f"--ep {sizes.ep}: the source records no expert tensors, so nothing would be split over "
+                              "EP; name them with --expert GLOB (repeatable; tensors whose dim 0 holds the experts, "
+                              "e.g. --expert '*.mlp.experts.*'; a tag saved at EP=1 marks none), or pass --ep 1")
     if sizes.zero1 and state.optim is None:
         raise ConversionError("--zero1 asks for a ZeRO-1 optimizer state but the source holds no optimizer state; "
                               "drop --zero1 (the tag then has the model only)")

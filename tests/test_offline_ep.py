@@ -259,7 +259,7 @@ def _bf16_source_with_masters():
     return state, masters, moments
 
 
-def test_reshard_ep_zero1_carries_fp32_master_weights(tmp_path):
+def test_reshard_ep_zero1_carries_fp32_master_weights(tmp_path, capsys):
     """reshard --ep 2 --zero1 of a ZeRO-1 tag whose fp32 master weights differ from its bf16 model keeps them as
     sharded_master_weights (cut like the moments: experts over expert-DP, the rest over DP), so that reading the
     new tag back, or resharding it to --ep 1, gives the fp32 masters bit for bit (it used to drop them)."""
@@ -272,6 +272,8 @@ def test_reshard_ep_zero1_carries_fp32_master_weights(tmp_path):
     write_tag(state, str(tmp_path / "src"), TagSizes(dp=2, zero1=True), converted_from={})
     experts = [a for k in EXPERTS for a in ("--expert", k)]    # a tag saved at EP=1 marks no expert tensor
     assert main(["reshard", str(tmp_path / "src"), str(tmp_path / "ep2"), "--ep", "2", "--dp", "4"]) == 1
+    assert "--ep 2: the source records no expert tensors, so nothing would be split over EP" in capsys.readouterr().err
+    assert not (tmp_path / "ep2").exists()
     assert main(["reshard", str(tmp_path / "src"), str(tmp_path / "ep2"), "--ep", "2", "--dp", "4"] + experts) == 0
     assert main(["reshard", str(tmp_path / "ep2"), str(tmp_path / "ep1"), "--ep", "1", "--dp", "1"]) == 0
     index = [k for k in SHAPES if k not in EXPERTS] + list(EXPERTS)   # non-experts first, then the experts
