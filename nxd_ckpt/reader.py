@@ -28,7 +28,7 @@ from .errors import CorruptCheckpointError, UnsafeCheckpointError
 from .manifest import FileEntry, Manifest
 from .plan import assign_to_bins
 from .storage import Storage
-from .storage.base import READ_BLOCK, LocalFile
+from .storage.base import READ_BLOCK, LocalFile, crc_hex
 from .storage.s3 import S3Error
 
 log = logging.getLogger("nxd_ckpt")
@@ -333,7 +333,7 @@ def _read_tensor_mapped(local: LocalFile, entry: FileEntry, trusted: bool, name:
     crc = _crc32c.crc32c(local.pread(offset, 0))
     crc = _crc32c.crc32c(body.numpy(), crc)
     crc = _crc32c.crc32c(local.pread(size - offset - nbytes, offset + nbytes), crc)
-    return tensor if f"{crc:08x}" == entry.crc32c else None
+    return tensor if crc_hex(crc) == entry.crc32c else None
 
 
 @dataclass

@@ -29,6 +29,7 @@ import torch
 
 from . import layout, masters
 from .errors import CheckpointArgumentError, CorruptCheckpointError, StateMismatchError
+from .storage.base import crc_hex
 
 METADATA_FILE = layout.DCP_METADATA_FILE
 FORMAT_FLAG = "zero1_dcp"      # manifest flag
@@ -132,7 +133,7 @@ def write_data(f, items: Sequence[Item], tensors: Sequence[torch.Tensor], filena
         f.write(blob)
         rec = {"fqn": it.fqn, "path": list(it.path), "bytes": data is None, "offsets": list(it.offsets),
                "size": list(it.size), "file": filename, "offset": pos, "length": len(blob),
-               "crc32c": f"{_crc32c.crc32c(blob):08x}"}
+               "crc32c": crc_hex(_crc32c.crc32c(blob))}
         if data is not None:
             rec["chunk"] = list(data.shape)
             rec["dtype"] = str(data.dtype).replace("torch.", "")

@@ -21,6 +21,11 @@ import crc32c as _crc32c
 #: block size of streaming checksum reads
 READ_BLOCK = 8 << 20
 
+def crc_hex(crc: int) -> str:
+    """A CRC32C as manifests and records write it: 8 lower-case hex digits."""
+    return f"{crc:08x}"
+
+
 def crc32c_of_blocks(blocks: Iterable[memoryview]) -> Tuple[int, int]:
     """(bytes, CRC32C) of a stream of blocks (``Storage.blocks``)."""
     size = crc = 0
@@ -51,9 +56,9 @@ class FileRecord:
     ranges: Optional[Tuple[Tuple[int, int, int], ...]] = None
 
     def to_json(self) -> dict:
-        out: dict = {"size": self.size, "crc32c": f"{self.crc32c:08x}"}
+        out: dict = {"size": self.size, "crc32c": crc_hex(self.crc32c)}
         if self.ranges is not None:
-            out["ranges"] = [[o, n, f"{c:08x}"] for o, n, c in self.ranges]
+            out["ranges"] = [[o, n, crc_hex(c)] for o, n, c in self.ranges]
         return out
 
 
