@@ -124,6 +124,7 @@ def main() -> int:
     shutil.rmtree(args.dir, ignore_errors=True)
     out = {"lever": args.lever, "bytes": nbytes, "tensors": args.tensors, "state": args.state, "rounds": args.rounds, "load1": loads,
            "median": {v: {k: statistics.median(x[k] for x in res[v]) for k in res[v][0]} for v in res},
+           "cpu_s_per_gb_rounds": {v: [round(x["cpu_s_per_gb"], 3) for x in res[v]] for v in res},
            "pool_held_mb": engine.get_engine().buffers.held_bytes / 2 ** 20}
     text = json.dumps(out, indent=1)
     print(text)

@@ -14,17 +14,22 @@ def _leased(budget: HostBudget, relpath: str, data: bytes) -> WriteTask:
     return WriteTask(relpath, lambda f: f.write(data), budget.lease(len(data), timeout=5))
 
 
-def test_batches_take_only_what_is_queued_and_respect_caps():
+def test_batches_take_only_what_is_queued_and_respect_caps(monkeypatch):
+    monkeypatch.setattr(writepool, "SMALL_BYTES", 60)
     budget = HostBudget(1 << 30)
     q = TaskQueue()
     for i in range(5):
         q.add(_leased(budget, f"s{i}", b"x" * 10))
     q.add(_leased(budget, "big", b"x" * 100))
+    q.add(_leased(budget, "big2", b"x" * 100))
+    q.add(_leased(budget, "mid0", b"x" * 30))
+    q.add(_leased(budget, "mid1", b"x" * 30))
     q.add(_leased(budget, "after", b"x" * 10))
     q.close()
     got = [[t.relpath for t in b] for b in q.batches(max_files=3, max_bytes=50)]
-    # 3 files at most; a batch ends once its leases reach max_bytes (the big file ends its batch).
-    assert got == [["s0", "s1", "s2"], ["s3", "s4", "big"], ["after"]]
+    # At most 3 files, a batch ends once its leases reach max_bytes, a file above SMALL_BYTES goes alone.
+    assert got == [["s0", "s1", "s2"], ["s3", "s4"], ["big"], ["big2"], ["mid0", "mid1"], ["after"]]
+    assert budget.used == 50 + 200 + 60 + 10      # batching alone releases nothing
 
 
 def test_write_all_batches_records_every_file_exactly(tmp_path):
