@@ -273,3 +273,17 @@ def test_a_view_into_a_record_over_the_keep_bound_reads_the_record_once(monkeypa
     log.clear()
     assert torch.equal(lazy.tensor(lazy.data["v"]), full[100:])
     assert log == [(big.offset, big.length)]
+
+
+def test_a_written_file_without_record_sums_is_named_in_the_warning(tmp_path, caplog):
+    """RecordSums over Storage.write_file's file object names the key in its one warning."""
+    from nxd_ckpt.storage import LocalStorage
+
+    def produce(f):
+        sums = xser.RecordSums(f)
+        sums.write(b"not a zip")
+        assert sums.ranges() is None
+
+    with caplog.at_level("WARNING", logger="nxd_ckpt"):
+        LocalStorage(str(tmp_path)).write_file("model/x.pt", produce)
+    assert ["per-record checksums are off for model/x.pt" in r.getMessage() for r in caplog.records] == [True]

@@ -122,11 +122,13 @@ class Sink(ABC):
 
 
 class _CountingWriter(io.RawIOBase):
-    """A write-only file object that CRC32C-checksums and counts bytes on their way to a Sink."""
+    """A write-only file object that CRC32C-checksums and counts bytes on their way to a Sink; ``name`` is the
+    key written (for a producer's messages)."""
 
-    def __init__(self, sink: Sink):
+    def __init__(self, sink: Sink, name: str = ""):
         super().__init__()
         self._sink = sink
+        self.name = name
         self.crc = 0
         self.size = 0
 
@@ -193,7 +195,7 @@ class Storage(ABC):
             _write_hook(relpath)
         sink = self._sink(relpath, atomic, exclusive)
         try:
-            writer = _CountingWriter(sink)
+            writer = _CountingWriter(sink, relpath)
             produce(writer)
             record = FileRecord(relpath, writer.size, writer.crc)
             sink.finish(record, durable)
