@@ -11,8 +11,9 @@ training run's repeated saves.
     python scripts/ab_snapshot.py --size-gb 1 --tensors 300 --rounds 4 --dir /tmp/ab --out bench_out/ab.json
 
 ``--lever`` A/Bs one save-path lever instead (``before`` against ``after``, the snapshot as nxd_ckpt does it):
-``write_batch`` (one writer-pool task per file against batches of small files) or ``manifest_json`` (the
-manifest indented against compact).
+``write_batch`` (one writer-pool task per file against batches of small files), ``manifest_json`` (the
+manifest indented against compact), ``ref_pickle`` (the ref file by the pure-Python pickler against the C
+pickler) or ``smallfiles_all`` (the three together).
 """
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ import bench  # noqa: E402
 import torch  # noqa: E402
 
 VARIANTS = ("old", "pool_copy_", "new")
-LEVERS = ("write_batch", "manifest_json")
+LEVERS = ("write_batch", "manifest_json", "ref_pickle", "smallfiles_all")
 
 
 def _set_lever(lever: str, variant: str) -> None:
@@ -40,12 +41,16 @@ def _set_lever(lever: str, variant: str) -> None:
 
     from nxd_ckpt import manifest, writepool
 
+    import xser.pickling as pickling
+
     after = variant == "after"
-    if lever == "write_batch":
+    if lever in ("write_batch", "smallfiles_all"):
         writepool.BATCH_FILES = 32 if after else 1
-    elif lever == "manifest_json":
+    if lever in ("manifest_json", "smallfiles_all"):
         manifest.Manifest.body = (_BODY if after else
                                   (lambda self: _json.dumps(self.to_json(), indent=1).encode()))
+    if lever in ("ref_pickle", "smallfiles_all"):
+        pickling.REF_PICKLE.Pickler = pickling._FastRefPickler if after else pickling._RefPickler
 
 
 _BODY = None
