@@ -418,3 +418,49 @@ def test_bodies_are_not_sha256_signed_over_https(scheme, signed, monkeypatch):
             getattr(client, op)(Bucket="b", Key="k", Body=body, ChecksumAlgorithm="CRC32C", ChecksumCRC32C=crc, **extra)
     want = hashlib.sha256(body).hexdigest() if signed else "UNSIGNED-PAYLOAD"
     assert seen == [(want, crc)] * 2, seen
+
+
+def test_read_into_fills_a_buffer_from_parallel_ranged_gets(s3_url, monkeypatch):
+    """``read_into`` on S3: the first ranged GET names the size, the other ranges go straight into their slices
+    of the caller's buffer; short at the object's end, 0 past it or for an empty object, FileNotFoundError when
+    the key is missing."""
+    from nxd_ckpt.storage import open_storage, s3
+
+    monkeypatch.setattr(s3, "RANGE_SIZE", 1000)
+    storage = open_storage(s3_url)
+    data = bytes(range(256)) * 10                        # 2,560 bytes: 3 ranges
+    storage.write_bytes("large", data)
+    storage.write_bytes("empty", b"")
+    requests = storage.bucket.requests
+    requests.clear()
+    buf = bytearray(3000)
+    assert storage.read_into("large", memoryview(buf)) == len(data) and bytes(buf[:len(data)]) == data
+    assert requests == {"get_object": 3}, requests
+    part = bytearray(500)
+    assert storage.read_into("large", memoryview(part), 1500) == 500 and bytes(part) == data[1500:2000]
+    assert storage.read_into("large", memoryview(part), 2400) == 160 and bytes(part[:160]) == data[2400:]
+    assert storage.read_into("large", memoryview(part), 2560) == 0
+    assert storage.read_into("empty", memoryview(part)) == 0
+    with pytest.raises(FileNotFoundError):
+        storage.read_into("missing", memoryview(part))
+
+
+def test_plain_shard_load_requests(s3_url, monkeypatch):
+    """Loading a named tag with a plain (non-xser) shard: one HEAD for the tag's `done` before the tag's own
+    reads (no LIST of the directory or the tag), and the shard read in parallel ranges into one buffer whose
+    views are the loaded tensors; bit-exact."""
+    import torch
+
+    import nxd_ckpt
+    from nxd_ckpt.storage import open_storage, s3
+
+    monkeypatch.setattr(s3, "RANGE_SIZE", 1 << 20)
+    model = {f"w{i}": torch.randn(1 << 18) for i in range(3)}          # 3 MiB: 4 ranges
+    nxd_ckpt.save_checkpoint(s3_url, "plain", use_xser=False, model=model)
+    storage = open_storage(s3_url)
+    storage.bucket.requests.clear()
+    target = {}
+    nxd_ckpt.load_checkpoint(s3_url, tag="plain", model=target)
+    assert sorted(target) == sorted(model) and all(torch.equal(target[k], model[k]) for k in model)
+    assert storage.bucket.requests == {"head_object": 2, "list_objects_v2": 2, "get_object": 2 + 4}, \
+        storage.bucket.requests

@@ -32,6 +32,13 @@ class Bucket(ABC):
     def get(self, key: str, offset: int = 0, length: Optional[int] = None) -> bytes:
         """FileNotFoundError when the key does not exist."""
 
+    def get_into(self, key: str, view: memoryview, offset: int = 0) -> int:
+        """Fill ``view`` with the object's bytes from ``offset`` (fewer only at its end); how many were filled.
+        FileNotFoundError when the key does not exist. Default: ``get``, then one copy into ``view``."""
+        data = self.get(key, offset, len(view))
+        view[:len(data)] = data
+        return len(data)
+
     @abstractmethod
     def head(self, key: str) -> Stat: ...
 
@@ -103,6 +110,9 @@ class ObjectStorage(Storage):
 
     def read(self, relpath: str, offset: int = 0, length: Optional[int] = None) -> bytes:
         return self.bucket.get(self.key(relpath), offset, length)
+
+    def read_into(self, relpath: str, view: memoryview, offset: int = 0) -> int:
+        return self.bucket.get_into(self.key(relpath), view, offset)
 
     def _entries(self, prefix: str, first_only: bool = False) -> List[Tuple[str, Stat]]:
         out: List[Tuple[str, Stat]] = []

@@ -196,6 +196,37 @@ class S3Bucket(Bucket):
         except _transient_errors():
             return self._read_body(key, Range=rng)
 
+    def get_into(self, key: str, view: memoryview, offset: int = 0) -> int:
+        """Parallel ranged GETs of RANGE_SIZE, each response body read straight into its slice of ``view`` (no
+        bytes object per range, no join): the first range's Content-Range names the object's size (no HEAD),
+        the others are requested as soon as its headers arrive. A body dropped midway is fetched again."""
+        view = memoryview(view).cast("B")
+        if not len(view):
+            return 0
+        first = min(len(view), RANGE_SIZE)
+        try:
+            resp = self.call("get_object", key, Key=key, Range=f"bytes={offset}-{offset + first - 1}")
+        except _RangeNotSatisfiable:
+            return 0                    # an empty object, or offset at or past the end
+        size = int(resp["ContentRange"].rsplit("/", 1)[1])
+        total = max(0, min(len(view), size - offset))
+        futures = [self._pool.submit(self._range_into, key, view[a:min(a + RANGE_SIZE, total)], offset + a)
+                   for a in range(first, total, RANGE_SIZE)]
+        head = view[:min(first, total)]
+        try:
+            _body_into(resp["Body"], head)
+        except _transient_errors():
+            self._range_into(key, head, offset)
+        for f in futures:
+            f.result()
+        return total
+
+    def _range_into(self, key: str, view: memoryview, offset: int) -> None:
+        def get_and_fill(client, **args):   # the body is read inside the retried call, as in _read_body
+            _body_into(client.get_object(**args)["Body"], view)
+
+        self.call("get_object", key, fn=get_and_fill, Key=key, Range=f"bytes={offset}-{offset + len(view) - 1}")
+
     def head(self, key: str) -> Stat:
         resp = self.call("head_object", key, Key=key)
         return Stat(int(resp["ContentLength"]), resp["LastModified"].timestamp())
@@ -296,13 +327,24 @@ class _MultipartSink(Sink):
         self.upload_id = None
 
 
+def _body_into(body, view: memoryview) -> None:
+    """Read a response body of exactly ``len(view)`` bytes into ``view``; a shorter body (the connection
+    dropped) raises a transient error, so the range is requested again."""
+    got = 0
+    while got < len(view):
+        n = body.readinto(view[got:])
+        if not n:
+            raise ConnectionError(f"the response body ended after {got} of {len(view)} bytes")
+        got += n
+
+
 def _transient_errors() -> tuple:
     from botocore.exceptions import (ConnectionClosedError, ConnectTimeoutError, EndpointConnectionError,
-                                     ReadTimeoutError, ResponseStreamingError)
+                                     IncompleteReadError, ReadTimeoutError, ResponseStreamingError)
     from urllib3.exceptions import ProtocolError
 
     return (ConnectionClosedError, ConnectTimeoutError, EndpointConnectionError, ReadTimeoutError,
-            ResponseStreamingError, ProtocolError, ConnectionError)
+            ResponseStreamingError, IncompleteReadError, ProtocolError, ConnectionError)
 
 
 def make_client(endpoint_url: Optional[str], timeout_s: float, *, connect_s: float = CONNECT_TIMEOUT_S,
