@@ -82,8 +82,13 @@ def _check_unmarked(storage: Storage, tag: str) -> None:
 
 # --- topology ------------------------------------------------------------------------------------
 def saved_topology(storage: Storage, tag: str, manifest: Optional[manifest_mod.Manifest]) -> dict:
-    """tp/pp/ep/dp/zero1/zero1_shards/xser/from_masters of a saved checkpoint (``manifest_mod.describe_tag``)."""
-    d = manifest_mod.describe_tag(storage, tag, manifest if manifest is not None else manifest_mod.NO_MANIFEST)
+    """tp/pp/ep/dp/zero1/zero1_shards/xser/from_masters of a saved checkpoint: from the manifest when there is
+    one (no request: on an object store ``describe_tag`` would HEAD `done` and LIST `model/` and `optim/` on
+    every rank), else from the file names (``manifest_mod.describe_tag``)."""
+    if manifest is not None:
+        d = manifest_mod.saved_layout(manifest)
+    else:
+        d = manifest_mod.describe_tag(storage, tag, manifest_mod.NO_MANIFEST)
     t = dict(vars(d.topology), zero1=d.zero1, zero1_shards=d.zero1_shards, xser=d.xser)
     if d.zero1_dcp:
         t["zero1_dcp"] = True

@@ -338,6 +338,22 @@ class TagDescription:
 NO_MANIFEST = object()
 
 
+@dataclass(frozen=True)
+class SavedLayout:
+    """How a tag with a manifest was saved, from the manifest alone (no request)."""
+    topology: Topology
+    zero1: bool
+    zero1_shards: Optional[int]
+    xser: bool
+    zero1_dcp: bool
+
+
+def saved_layout(manifest: Manifest) -> SavedLayout:
+    dcp = bool(manifest.extra.get("zero1_dcp"))
+    return SavedLayout(manifest.topology, manifest.zero1, manifest.zero1_shards if manifest.zero1 and not dcp else None,
+                       manifest.xser, dcp)
+
+
 def describe_tag(storage, name: str, manifest=None) -> TagDescription:
     """The one answer to "what is this tag": ours or NxD's, complete or not, topology, ZeRO-1, xser. Pass
     ``manifest`` when it has been read already, or NO_MANIFEST; else it is read here (CorruptCheckpointError
@@ -349,10 +365,9 @@ def describe_tag(storage, name: str, manifest=None) -> TagDescription:
     complete = storage.isfile(_in(name, layout.DONE_MARKER))
     has_model, has_optim = storage.isdir(_in(name, layout.MODEL_DIR)), storage.isdir(_in(name, layout.OPTIM_DIR))
     if manifest is not None:
-        dcp = bool(manifest.extra.get("zero1_dcp"))
-        return TagDescription(name, True, complete, manifest.topology, manifest.zero1,
-                              manifest.zero1_shards if manifest.zero1 and not dcp else None, manifest.xser,
-                              manifest.has_model and has_model, manifest.has_optim and has_optim, manifest, dcp)
+        s = saved_layout(manifest)
+        return TagDescription(name, True, complete, s.topology, s.zero1, s.zero1_shards, s.xser,
+                              manifest.has_model and has_model, manifest.has_optim and has_optim, manifest, s.zero1_dcp)
     model = storage.listdir(_in(name, layout.MODEL_DIR)) if has_model else []
     optim = storage.listdir(_in(name, layout.OPTIM_DIR)) if has_optim else []
     shards = [layout.parse_shard_filename(n) for n in optim]

@@ -446,9 +446,9 @@ def test_read_into_fills_a_buffer_from_parallel_ranged_gets(s3_url, monkeypatch)
 
 
 def test_plain_shard_load_requests(s3_url, monkeypatch):
-    """Loading a named tag with a plain (non-xser) shard: one HEAD for the tag's `done` before the tag's own
-    reads (no LIST of the directory or the tag), and the shard read in parallel ranges into one buffer whose
-    views are the loaded tensors; bit-exact."""
+    """Loading a named tag with a plain (non-xser) shard: one HEAD (the tag's `done`) and no LIST at all (the
+    saved layout comes from the manifest), `manifest.json` and `done` read, and the shard read in parallel
+    ranges into one buffer whose views are the loaded tensors; bit-exact."""
     import torch
 
     import nxd_ckpt
@@ -462,5 +462,5 @@ def test_plain_shard_load_requests(s3_url, monkeypatch):
     target = {}
     nxd_ckpt.load_checkpoint(s3_url, tag="plain", model=target)
     assert sorted(target) == sorted(model) and all(torch.equal(target[k], model[k]) for k in model)
-    assert storage.bucket.requests == {"head_object": 2, "list_objects_v2": 2, "get_object": 2 + 4}, \
+    assert storage.bucket.requests == {"head_object": 1, "get_object": 2 + 4}, \
         storage.bucket.requests
