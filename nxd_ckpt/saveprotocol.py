@@ -22,7 +22,7 @@ from .coord import Coordinator
 from .errors import RankFailureError, describe_causes
 from .staging import release_host_memory
 from .storage import FileRecord, Storage
-from .writepool import TaskQueue, WritePool, WriteResult, describe
+from .writepool import TaskQueue, WritePool, WriteResult, describe, lower_thread_priority
 
 log = logging.getLogger("nxd_ckpt")
 
@@ -135,6 +135,7 @@ class SaveRunner:
         self._jobs.put(job)
 
     def _loop(self) -> None:
+        lower_thread_priority()
         while True:
             job = self._jobs.get()
             try:

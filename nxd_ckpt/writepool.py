@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import functools
 import io
+import os
 import queue
+import threading
 import traceback
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
@@ -137,6 +139,21 @@ class WriteResult:
     nbytes: int
 
 
+#: Niceness of the save's background threads (writers, runner): the training loop's threads stay at their own
+#: priority and win the cores whenever both want them; the save takes what is left.
+BACKGROUND_NICE = 10
+
+
+def lower_thread_priority() -> None:
+    """Give the calling thread ``BACKGROUND_NICE`` more niceness than the process (Linux: niceness is per
+    thread; elsewhere, or when refused, the thread keeps its priority)."""
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, 0) + BACKGROUND_NICE))
+    except (AttributeError, OSError):
+        pass
+
+
 class WritePool:
     """The writer threads of one process, resized to each save's ``num_workers``."""
 
@@ -148,7 +165,8 @@ class WritePool:
         if self._pool is None or self._size != workers:
             if self._pool is not None:
                 self._pool.shutdown(wait=True)
-            self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="nxd_ckpt-write")
+            self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="nxd_ckpt-write",
+                                            initializer=lower_thread_priority)
             self._size = workers
         return self._pool
 

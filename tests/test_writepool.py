@@ -66,3 +66,25 @@ def test_failure_inside_a_batch_releases_every_lease(tmp_path, monkeypatch, batc
     res = WritePool().write_all(q, LocalStorage(str(tmp_path)), "w", workers=2)
     assert res.error == "RuntimeError: snapshot broke: tensor 7 is gone"
     assert budget.used == 0
+
+
+def test_writer_threads_run_below_the_callers_priority(tmp_path):
+    """The training loop keeps the cores it wants: every writer thread is BACKGROUND_NICE nicer than the
+    process (Linux niceness is per thread), and the caller's own niceness is unchanged."""
+    import threading
+
+    seen = []
+
+    def produce(f):
+        seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+        f.write(b"z")
+
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    q = TaskQueue()
+    for i in range(8):
+        q.add(WriteTask(f"n_{i}", produce))
+    q.close()
+    res = WritePool().write_all(q, LocalStorage(str(tmp_path)), "w", workers=4)
+    assert res.error is None
+    assert seen == [min(19, base + writepool.BACKGROUND_NICE)] * 8
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == base
