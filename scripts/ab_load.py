@@ -11,11 +11,9 @@ saved once with nxd_ckpt (xser), loaded into a dict of XLA tensors with the page
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import resource
 import shutil
-import statistics
 import sys
 import time
 
@@ -54,7 +52,7 @@ def main() -> int:
     cache.mode = "posix_fadvise_dontneed"        # this run's files only: the machine is shared
     mapped_default = api.copies_every_tensor
 
-    def one(variant: str) -> dict:
+    def one(variant: str, _round: int) -> dict:
         api.copies_every_tensor = mapped_default if variant == "mapped" else (lambda m, o: False)
         target = {k: v for k, v in model.items()}
         opt = bench.replace_tensors(optim, iter(bench.tensors_of(optim))) if optim is not None else None
@@ -68,22 +66,12 @@ def main() -> int:
         faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
         return {"load_s": wall, "load_cpu_s_per_gb": cpu / (nbytes / 1e9), "page_faults_mb": faults * 4096 / 2 ** 20}
 
-    for v in variants:
-        one(v)                                    # warm-up
-    res, loads = {v: [] for v in variants}, []
-    for r in range(args.rounds):
-        for v in (variants if r % 2 == 0 else variants[::-1]):
-            res[v].append(one(v))
-        loads.append(os.getloadavg()[0])
+    res, loads = bench.alternate(variants, one, args.rounds)
     api.copies_every_tensor = mapped_default
     shutil.rmtree(args.dir, ignore_errors=True)
     out = {"bytes": nbytes, "tensors": args.tensors, "state": args.state, "rounds": args.rounds, "load1": loads,
-           "median": {v: {k: statistics.median(x[k] for x in res[v]) for k in res[v][0]} for v in res}}
-    text = json.dumps(out, indent=1)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+           "median": bench.medians(res)}
+    bench.print_json(out, args.out)
     return 0
 
 

@@ -18,11 +18,9 @@ pickler) or ``smallfiles_all`` (the three together).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import resource
 import shutil
-import statistics
 import sys
 import time
 
@@ -119,23 +117,13 @@ def main() -> int:
         return {"stall_s": stall, "commit_s": nxd_ckpt.save_stats()[-1]["commit_s"], "cpu_s_per_gb": (_cpu() - c0) / gb,
                 "stall_cpu_s_per_gb": c_stall / gb, "stall_faults_mb": faults * 4096 / 2 ** 20}
 
-    for v in variants:
-        one(v, 0)                                 # warm-up (fills the pool)
-    res, loads = {v: [] for v in variants}, []
-    for r in range(args.rounds):
-        for v in (variants if r % 2 == 0 else variants[::-1]):
-            res[v].append(one(v, r + 1))
-        loads.append(os.getloadavg()[0])
+    res, loads = bench.alternate(variants, one, args.rounds)
     shutil.rmtree(args.dir, ignore_errors=True)
     out = {"lever": args.lever, "bytes": nbytes, "tensors": args.tensors, "state": args.state, "rounds": args.rounds, "load1": loads,
-           "median": {v: {k: statistics.median(x[k] for x in res[v]) for k in res[v][0]} for v in res},
+           "median": bench.medians(res),
            "cpu_s_per_gb_rounds": {v: [round(x["cpu_s_per_gb"], 3) for x in res[v]] for v in res},
            "pool_held_mb": engine.get_engine().buffers.held_bytes / 2 ** 20}
-    text = json.dumps(out, indent=1)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    bench.print_json(out, args.out)
     return 0
 
 

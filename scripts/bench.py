@@ -141,6 +141,32 @@ def fsync_tree(path):
             os.close(fd)
 
 
+def alternate(variants, one, rounds: int):
+    """A/B runs of ``one(variant, round)``: a warm-up of each (round 0), then ``rounds`` rounds alternating the
+    order; returns each variant's results and the 1-minute load average after each round."""
+    for v in variants:
+        one(v, 0)
+    res, loads = {v: [] for v in variants}, []
+    for r in range(rounds):
+        for v in (variants if r % 2 == 0 else variants[::-1]):
+            res[v].append(one(v, r + 1))
+        loads.append(os.getloadavg()[0])
+    return res, loads
+
+
+def medians(res) -> dict:
+    return {v: {k: statistics.median(x[k] for x in runs) for k in runs[0]} for v, runs in res.items()}
+
+
+def print_json(out: dict, path) -> None:
+    """Print ``out`` as JSON and, when ``path`` is given, write it there too."""
+    text = json.dumps(out, indent=1)
+    print(text)
+    if path:
+        with open(path, "w") as f:
+            f.write(text + "\n")
+
+
 def trim_heap():
     """Collect garbage and return free heap memory to the OS (glibc malloc_trim), so RSS measures live memory."""
     gc.collect()
