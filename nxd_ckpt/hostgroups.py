@@ -67,6 +67,16 @@ def all_gather_objects(obj) -> list:
     return out
 
 
+def broadcast_object(obj, src: int = 0):
+    """Global rank ``src``'s ``obj`` (picklable) on every rank, over the host gloo group; every rank calls it
+    (the others pass anything, e.g. None). Unlike ``all_gather_objects`` only ``src``'s object travels."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src, group=world_group())
+    return box[0]
+
+
 def broadcast_tensor(t: torch.Tensor, src: int, group) -> torch.Tensor:
     """Broadcast a contiguous CPU tensor's bytes from global rank ``src`` (any dtype, 0-d included)."""
     flat = t.reshape(-1)

@@ -201,6 +201,40 @@ def _checked_tag(tag) -> None:
     return None
 
 
+def agreed_manifest(storage: Storage, tag: str) -> Optional[manifest_mod.Manifest]:
+    """Every rank: the tag's manifest as rank 0 read it (None for a tag without one that may lack it), or rank
+    0's error raised on every rank. Only rank 0 reads `manifest.json` and `done` (on an object store 2 GETs
+    per load, not 2 per rank) and broadcasts the result; a tag without a manifest is checked there too."""
+    import torch.distributed as dist
+
+    root = not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+    manifest, error = None, None
+    if root:
+        try:
+            manifest = _read_manifest(storage, tag)
+        except Exception as exc:  # noqa: BLE001 - shared, so no rank waits for a manifest that never comes
+            error = exc
+    shared, status = hostgroups.broadcast_object((manifest, _status(error)))
+    if status is None:
+        return shared
+    if error is not None:
+        raise error
+    raise _recreate(0, status)
+
+
+def _read_manifest(storage: Storage, tag: str) -> Optional[manifest_mod.Manifest]:
+    manifest = manifest_mod.read(storage, tag)
+    if manifest is None and commit.expects_manifest(storage, tag):
+        rel = f"{tag}/{layout.MANIFEST_FILE}"
+        raise CorruptCheckpointError(
+            f"checkpoint {tag!r} in {storage.root} is marked complete but {rel} is missing, although nxd-ckpt "
+            "wrote this tag (`newest` names it, or it is newer than a tag here that has a manifest), so its "
+            "files cannot be verified. Load another tag (tag=None picks the newest intact one); if the tag "
+            "was copied in from neuronx-distributed, move it to a directory of its own to load it without "
+            "checksums", path=rel)
+    return manifest
+
+
 def read_tag(storage: Storage, tag: str, world: World, *, want_model: bool, want_optim: bool,
              want_scheduler: bool, num_workers: int, trusted: bool, mapped: bool = False,
              node_local: bool = False, model=None, optimizer=None, reshard: bool = False) -> dict:
@@ -214,15 +248,7 @@ def read_tag(storage: Storage, tag: str, world: World, *, want_model: bool, want
     error: Optional[BaseException] = None
     resharding = False
     try:
-        manifest = manifest_mod.read(storage, tag)
-        if manifest is None and commit.expects_manifest(storage, tag):
-            rel = f"{tag}/{layout.MANIFEST_FILE}"
-            raise CorruptCheckpointError(
-                f"checkpoint {tag!r} in {storage.root} is marked complete but {rel} is missing, although nxd-ckpt "
-                "wrote this tag (`newest` names it, or it is newer than a tag here that has a manifest), so its "
-                "files cannot be verified. Load another tag (tag=None picks the newest intact one); if the tag "
-                "was copied in from neuronx-distributed, move it to a directory of its own to load it without "
-                "checksums", path=rel)
+        manifest = agreed_manifest(storage, tag)
         saved = saved_topology(storage, tag, manifest)
         resharding = reshard and reshard_load.needs_reshard(saved, world, want_optim)
         if resharding:

@@ -464,3 +464,42 @@ def test_plain_shard_load_requests(s3_url, monkeypatch):
     assert sorted(target) == sorted(model) and all(torch.equal(target[k], model[k]) for k in model)
     assert storage.bucket.requests == {"head_object": 1, "get_object": 2 + 4}, \
         storage.bucket.requests
+
+
+def _counted_load_rank(rank, world, url):
+    """Load the tag ``url`` holds (DP=2) while recording this rank's S3 requests as (operation, key name)."""
+    import nxd_ckpt
+    import parallel_state as ps
+    from nxd_ckpt.storage import s3
+
+    ps.initialize_model_parallel(tensor_model_parallel_size=1)
+    seen = []
+    call = s3.S3Bucket.call
+
+    def counting(self, op, key, fn=None, **kw):
+        seen.append((op, key.rsplit("/", 1)[-1]))
+        return call(self, op, key, fn, **kw)
+
+    s3.S3Bucket.call = counting
+    model = TinyShard(seed_offset=2)
+    nxd_ckpt.load_checkpoint(url, "good", model=model)
+    return seen, to_cpu_state(model.state_dict())
+
+
+def test_two_rank_load_reads_manifest_and_done_once(s3_url):
+    """A 2-rank load of a named tag (DP=2): rank 0 alone reads `done` (a HEAD, then one GET) and
+    `manifest.json` (one GET) and shares the manifest, so the load makes one GET of each in all, not one
+    per rank; rank 1 reads only its share of the shard's files. Both load the saved state bit-exactly."""
+    import nxd_ckpt
+
+    saved = TinyShard()
+    nxd_ckpt.save_checkpoint(s3_url, "good", use_xser=True, model=saved)
+    out = run_ranks(_counted_load_rank, 2, s3_url, timeout=180)
+    for _, state in out:
+        assert_bit_equal(to_cpu_state(saved.state_dict()), state, "model")
+    (zero, _), (one, _) = out
+    markers = [r for r in zero + one if r[1] in ("done", "manifest.json")]
+    assert sorted(markers) == [("get_object", "done"), ("get_object", "manifest.json"),
+                               ("head_object", "done")], markers
+    assert all(r[1] not in ("done", "manifest.json") for r in one), one
+    assert all(op == "get_object" for op, _ in one), one
