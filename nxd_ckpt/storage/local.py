@@ -34,6 +34,12 @@ _SYNC_THREADS = 8
 
 _CREATE = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0)
 
+#: A file of at least this many bytes written for a later batched sync (``durable=False``) has its writeback
+#: started as it is closed (``sync_file_range`` WRITE on its descriptor), so that the disk works while the next
+#: files are written instead of all of it in the final ``sync_files``. Smaller files are left to that sync (a
+#: system call each would cost more than it overlaps).
+WRITEBACK_MIN_BYTES = 1 << 20
+
 
 class _FileSink(Sink):
     def __init__(self, final: str, atomic: bool, exclusive: bool, create_lock: Optional[threading.Lock] = None):
@@ -72,6 +78,8 @@ class _FileSink(Sink):
         try:
             if durable:
                 os.fsync(self._fd)
+            elif record.size >= WRITEBACK_MIN_BYTES:
+                _start_writeback_fd(self._fd)
         finally:
             self._close()
         if self._atomic:
@@ -336,17 +344,23 @@ def start_writeback(path: str) -> bool:
     A hint for a writer that makes its files durable together at the end (``sync_files``): the disk then
     works while the next files are produced, instead of all of it at the final sync (below the kernel's
     background threshold, 10% of RAM, nothing is written back before that). Errors surface at that sync."""
-    fn = _sync_file_range()
-    if fn is None:
+    if _sync_file_range() is None:
         return False
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
     except OSError:
         return False
     try:
-        return fn(fd, 0, 0, _SYNC_FILE_RANGE_WRITE) == 0
+        return _start_writeback_fd(fd)
     finally:
         os.close(fd)
+
+
+def _start_writeback_fd(fd: int) -> bool:
+    """``start_writeback`` of an open file; False where unavailable or refused (a hint: errors surface at the
+    file's sync)."""
+    fn = _sync_file_range()
+    return fn is not None and fn(fd, 0, 0, _SYNC_FILE_RANGE_WRITE) == 0
 
 
 @functools.lru_cache(maxsize=1)

@@ -1,0 +1,98 @@
+#!/usr/bin/env python3
+"""A/B of one commit-path lever of the async save (issue 13), side by side in one process (alternating, medians),
+on bench.py's state: ``before`` against ``after``, everything else as nxd_ckpt does it. Before every save the
+page cache is written back and dropped (bench.Cache), so each starts from a clean disk.
+
+Levers: ``writeback`` (no early writeback against ``sync_file_range`` WRITE as each file of
+``storage.local.WRITEBACK_MIN_BYTES`` or more is closed).
+
+    python scripts/ab_commit.py --lever writeback --size-gb 1 --tensors 300 --rounds 4 --out bench_out/ab_writeback_1gb.json
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import bench  # noqa: E402
+
+LEVERS = ("writeback",)
+_NEVER = 1 << 62
+
+
+def _set_lever(lever: str, after: bool, defaults: dict) -> None:
+    from nxd_ckpt.storage import local
+
+    if lever == "writeback":
+        local.WRITEBACK_MIN_BYTES = defaults["writeback"] if after else _NEVER
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--lever", choices=LEVERS, required=True)
+    p.add_argument("--size-gb", type=float, default=1.0)
+    p.add_argument("--tensors", type=int, default=300)
+    p.add_argument("--state", choices=("fp32", "bf16-adam"), default="fp32")
+    p.add_argument("--num-workers", type=int, default=8)
+    p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--dir", default="/tmp/nxd_ckpt_ab_commit")
+    p.add_argument("--out")
+    args = p.parse_args()
+    import nxd_ckpt
+    from nxd_ckpt.storage import local
+
+    defaults = {"writeback": local.WRITEBACK_MIN_BYTES}
+    model, optim, _ = bench.build_state(int(args.size_gb * 1e9), args.tensors, bench.device(), args.state)
+    kw = {"model": model, "use_xser": True, "num_workers": args.num_workers,
+          **({"optimizer": optim} if optim is not None else {})}
+    nbytes = bench.nbytes({"model": model, "optimizer": optim} if optim is not None else model)
+    cache = bench.Cache()
+
+    def one(variant: str, i: int) -> dict:
+        _set_lever(args.lever, variant == "after", defaults)
+        shutil.rmtree(args.dir, ignore_errors=True)
+        os.makedirs(args.dir)
+        bench.trim_heap()
+        cache.drop(args.dir)
+        c0, t0 = bench.cpu_time(), time.perf_counter()
+        nxd_ckpt.save_checkpoint(args.dir, f"t{i}", async_save=True, **kw)
+        stall = time.perf_counter() - t0
+        nxd_ckpt.finalize_checkpoint()
+        st = nxd_ckpt.save_stats()[-1]
+        gb = nbytes / 1e9
+        return {"stall_s": stall, "write_done_s": st["write_done_s"], "commit_s": st["commit_s"],
+                "commit_gbps": gb / st["commit_s"], "cpu_s_per_gb": (bench.cpu_time() - c0) / gb}
+
+    res, loads = bench.alternate(("before", "after"), one, args.rounds)
+    shutil.rmtree(args.dir, ignore_errors=True)
+    out = {"lever": args.lever, "bytes": nbytes, "tensors": args.tensors, "state": args.state, "rounds": args.rounds,
+           "filesystem": _fs_type(args.dir), "load1": loads, "median": bench.medians(res),
+           "commit_s_rounds": {v: [round(x["commit_s"], 3) for x in res[v]] for v in res},
+           "cpu_s_per_gb_rounds": {v: [round(x["cpu_s_per_gb"], 3) for x in res[v]] for v in res}}
+    bench.print_json(out, args.out)
+    return 0
+
+
+def _fs_type(path: str) -> str:
+    """The filesystem type of ``path`` from /proc/mounts (longest mount point that contains it)."""
+    path = os.path.realpath(os.path.dirname(path.rstrip("/")) or "/")
+    best, kind = "", "unknown"
+    try:
+        with open("/proc/mounts") as f:
+            for line in f:
+                parts = line.split()
+                mnt = parts[1]
+                if (path == mnt or path.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best):
+                    best, kind = mnt, parts[2]
+    except OSError:
+        pass
+    return kind
+
+
+if __name__ == "__main__":
+    sys.exit(main())
