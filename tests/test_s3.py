@@ -503,3 +503,27 @@ def test_two_rank_load_reads_manifest_and_done_once(s3_url):
                                ("head_object", "done")], markers
     assert all(r[1] not in ("done", "manifest.json") for r in one), one
     assert all(op == "get_object" for op, _ in one), one
+
+
+def test_isdir_lists_one_key(s3_url):
+    """``isdir`` asks S3 for one key (MaxKeys=1), not a page of 1,000 keys with their sizes and times."""
+    from nxd_ckpt.storage import open_storage, s3
+
+    storage = open_storage(s3_url)
+    for i in range(3):
+        storage.write_bytes(f"t/model/f{i}", b"x")
+    asked = []
+    call = s3.S3Bucket.call
+
+    def recording(self, op, key, fn=None, **kw):
+        asked.append((op, kw.get("MaxKeys")))
+        return call(self, op, key, fn, **kw)
+
+    s3.S3Bucket.call = recording
+    try:
+        assert storage.isdir("t") and storage.isdir("t/model") and not storage.isdir("t/model/f0")
+        assert not storage.isdir("none")
+        assert sorted(storage.list("t")) == [f"t/model/f{i}" for i in range(3)]
+    finally:
+        s3.S3Bucket.call = call
+    assert asked == [("list_objects_v2", 1)] * 4 + [("list_objects_v2", 1000)], asked

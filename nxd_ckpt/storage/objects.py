@@ -43,10 +43,11 @@ class Bucket(ABC):
     def head(self, key: str) -> Stat: ...
 
     @abstractmethod
-    def list_page(self, prefix: str, after: Optional[str]) -> Tuple[List[Tuple[str, Stat]], Optional[str]]:
-        """Up to ``page_size`` (key, Stat) of the keys starting with ``prefix``, sorted, after the
-        continuation token ``after``; returns (entries, token for the next page or None at the end). The
-        sizes and times come with the listing (S3's LIST response has them): no request per key."""
+    def list_page(self, prefix: str, after: Optional[str],
+                  limit: Optional[int] = None) -> Tuple[List[Tuple[str, Stat]], Optional[str]]:
+        """Up to ``page_size`` (or ``limit``, when smaller) (key, Stat) of the keys starting with ``prefix``,
+        sorted, after the continuation token ``after``; returns (entries, token for the next page or None at
+        the end). The sizes and times come with the listing (S3's LIST response has them): no request per key."""
 
     @abstractmethod
     def delete_batch(self, keys: List[str]) -> None:
@@ -118,7 +119,8 @@ class ObjectStorage(Storage):
         out: List[Tuple[str, Stat]] = []
         token = None
         while True:
-            entries, token = self.bucket.list_page(prefix, token)
+            # first_only: a page of one key (S3: MaxKeys=1), not a page of 1,000 keys with their sizes and times
+            entries, token = self.bucket.list_page(prefix, token, 1 if first_only else None)
             out += entries
             if token is None or (first_only and out):
                 return out
@@ -178,11 +180,13 @@ class MemoryBucket(Bucket):
             data, mtime = self._objects[key]
         return Stat(len(data), mtime)
 
-    def list_page(self, prefix: str, after: Optional[str]) -> Tuple[List[Tuple[str, Stat]], Optional[str]]:
+    def list_page(self, prefix: str, after: Optional[str],
+                  limit: Optional[int] = None) -> Tuple[List[Tuple[str, Stat]], Optional[str]]:
+        n = min(self.page_size, limit or self.page_size)
         with self._lock:
             keys = sorted(k for k in self._objects if k.startswith(prefix) and (after is None or k > after))
-            page = [(k, Stat(len(self._objects[k][0]), self._objects[k][1])) for k in keys[: self.page_size]]
-        return page, (page[-1][0] if len(keys) > self.page_size else None)
+            page = [(k, Stat(len(self._objects[k][0]), self._objects[k][1])) for k in keys[:n]]
+        return page, (page[-1][0] if len(keys) > n else None)
 
     def delete_batch(self, keys: List[str]) -> None:
         with self._lock:
@@ -233,17 +237,19 @@ class DirBucket(Bucket):
         st = os.stat(self._path(key))
         return Stat(st.st_size, st.st_mtime)
 
-    def list_page(self, prefix: str, after: Optional[str]) -> Tuple[List[Tuple[str, Stat]], Optional[str]]:
-        keys = sorted(k for k in (urllib.parse.unquote(n) for n in os.listdir(self.directory)
-                                  if not n.endswith(".part"))
+    def list_page(self, prefix: str, after: Optional[str],
+                  limit: Optional[int] = None) -> Tuple[List[Tuple[str, Stat]], Optional[str]]:
+        n = min(self.page_size, limit or self.page_size)
+        keys = sorted(k for k in (urllib.parse.unquote(name) for name in os.listdir(self.directory)
+                                  if not name.endswith(".part"))
                       if k.startswith(prefix) and (after is None or k > after))
         page = []
-        for k in keys[: self.page_size]:
+        for k in keys[:n]:
             try:
                 page.append((k, self.head(k)))
             except FileNotFoundError:
                 continue   # deleted since the directory was read
-        return page, (keys[self.page_size - 1] if len(keys) > self.page_size else None)
+        return page, (keys[n - 1] if len(keys) > n else None)
 
     def delete_batch(self, keys: List[str]) -> None:
         for k in keys:

@@ -231,8 +231,9 @@ class S3Bucket(Bucket):
         resp = self.call("head_object", key, Key=key)
         return Stat(int(resp["ContentLength"]), resp["LastModified"].timestamp())
 
-    def list_page(self, prefix: str, after: Optional[str]) -> Tuple[List[Tuple[str, Stat]], Optional[str]]:
-        kw = {"Prefix": prefix, "MaxKeys": self.page_size}
+    def list_page(self, prefix: str, after: Optional[str],
+                  limit: Optional[int] = None) -> Tuple[List[Tuple[str, Stat]], Optional[str]]:
+        kw = {"Prefix": prefix, "MaxKeys": min(self.page_size, limit or self.page_size)}
         if after is not None:
             kw["ContinuationToken"] = after
         resp = self.call("list_objects_v2", prefix, **kw)
