@@ -16,7 +16,7 @@ import warnings
 import zlib
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple, Union
 
 import crc32c as _crc32c
 import torch
@@ -171,10 +171,15 @@ class FileReader:
         unless trusted); tensors inline in it are loaded, TensorReferences left as they are. A large file on an
         object store is read into one host buffer (parallel ranged GETs straight into it) and its tensors are
         views of that buffer: each byte copied once from the HTTP body, not three times (body, join, torch.load)."""
+        return self.parse_pickle(relpath, self.read_pickle_bytes(relpath))
+
+    def read_pickle_bytes(self, relpath: str):
+        """The verified bytes of a pickle file, for ``parse_pickle``: a large file on an object store in a new
+        uint8 host tensor (``read_buffer``: ranged GETs straight into it, no join), else ``bytes``."""
         entry = self.entry(relpath)
         if entry is not None and entry.size >= MAPPED_MIN_BYTES and not self.storage.caps.local:
-            return self.parse_pickle(relpath, self.read_buffer(relpath))
-        return self.parse_pickle(relpath, self.read(relpath))
+            return self.read_buffer(relpath)
+        return self.read(relpath)
 
     def parse_pickle(self, relpath: str, data):
         """Unpickle ``data`` (the verified bytes of ``relpath``, a readable view of them, or a uint8 tensor
@@ -360,8 +365,8 @@ class ShardRead:
     group_of: Dict[int, Tuple[int, ...]] = field(default_factory=dict)
     # A plain (non-xser) shard is one pickle: one replica reads it and ships its verified bytes.
     raw_owner: Optional[int] = None
-    raw: Optional[bytes] = None
-    parse: Optional[Callable[[bytes], object]] = None
+    raw: Union[bytes, torch.Tensor, None] = None       # the owner's verified bytes (a uint8 tensor: read_buffer)
+    parse: Optional[Callable[[object], object]] = None
     absent: List[int] = field(default_factory=list)   # tids without a tensor file (filled by the caller)
 
 
@@ -388,7 +393,7 @@ def read_shard(reader: FileReader, relpath: str, replicas: List[int], rank: int,
         shard = ShardRead(relpath, None, [], {}, None, replicas=list(replicas), raw_owner=owner,
                           parse=lambda data: reader.parse_pickle(relpath, data))
         if rank == owner:
-            shard.raw = reader.read(relpath)
+            shard.raw = reader.read_pickle_bytes(relpath)
             shard.ref_data = shard.parse(shard.raw)
         return shard
     ref_data = reader.load_pickle(relpath)
@@ -544,7 +549,9 @@ def share_shard(shard: ShardRead, host_groups: Dict[Tuple[int, ...], object]) ->
 def _share_raw(shard: ShardRead, group) -> None:
     size = torch.tensor([len(shard.raw) if shard.raw is not None else 0], dtype=torch.int64)
     hostgroups.broadcast_tensor(size, shard.raw_owner, group)
-    if shard.raw is not None:
+    if isinstance(shard.raw, torch.Tensor):
+        body, shard.raw = shard.raw, None     # the owner's tensors are views of it: sent as it is
+    elif shard.raw is not None:
         with warnings.catch_warnings():   # the bytes are only sent, never written: no copy needed
             warnings.filterwarnings("ignore", message="The given buffer is not writable")
             body = torch.frombuffer(shard.raw, dtype=torch.uint8) if shard.raw else torch.empty(0, dtype=torch.uint8)

@@ -1071,7 +1071,13 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.markdown:
         with open(args.markdown) as f:
-            print(markdown(json.load(f)), end="")
+            r = json.load(f)
+        if "limits" not in r:   # an S3 run (--dir s3://...)
+            from bench_s3 import markdown_s3
+
+            print(markdown_s3(r), end="")
+        else:
+            print(markdown(r), end="")
         return 0
     if args.repeat < 1:
         p.error("--repeat must be >= 1")

@@ -105,3 +105,26 @@ def test_bench_reshard_tiny_run_writes_complete_json(tmp_path, fmt="plain"):
         assert r["cases"]["reshard_streamed"]["read_mb_per_rank_max"] > r["cases"]["reshard"]["read_mb_per_rank_max"]
     else:
         assert "reshard_streamed" not in r["cases"]
+
+
+def test_markdown_of_an_s3_run_prints_its_table(tmp_path, capsys):
+    """``bench.py --markdown`` of an S3 run's JSON (no limits, targets as [name, value, bound]) prints the S3
+    table, the targets and the request counts, instead of failing on the POSIX run's keys."""
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    try:
+        import bench
+    finally:
+        sys.path.pop(0)
+    r = {"bytes": 250_000_000, "dir": "s3://b/ck", "rounds": [{"loadavg_1min": 1.5}, {"loadavg_1min": 2.0}],
+         "median": {"save_s": 1.5, "load_s": 1.25, "peer_upload_s": 2.0, "peer_download_s": 4.0},
+         "save_gbps": 0.1667, "load_gbps": 0.2, "peer_upload_gbps": 0.125, "peer_download_gbps": 0.0625,
+         "requests_per_save": {"put_object": 4}, "requests_per_load": {"head_object": 1, "get_object": 10},
+         "targets": [["save >= 0.9 x upload", 0.1667, 0.1125], ["load >= save", 0.2, 0.25]]}
+    path = tmp_path / "s3.json"
+    path.write_text(json.dumps(r))
+    assert bench.main(["--markdown", str(path)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "**0.250 GB to `s3://b/ck`**, 2 round(s) after a warm-up (medians), 1-minute load average 1.5 to 2.0"
+    assert "| median s | 1.50 | 1.25 | 2.00 | 4.00 |" in out and "| GB/s | 0.167 | 0.200 | 0.125 | 0.062 |" in out
+    assert "| save >= 0.9 x upload | 0.167 | 0.113 | yes |" in out and "| load >= save | 0.200 | 0.250 | **no** |" in out
+    assert out[-1] == "S3 requests per load: 1 head_object, 10 get_object."

@@ -527,3 +527,42 @@ def test_isdir_lists_one_key(s3_url):
     finally:
         s3.S3Bucket.call = call
     assert asked == [("list_objects_v2", 1)] * 4 + [("list_objects_v2", 1000)], asked
+
+
+def _plain_replica_load_rank(rank, world, url):
+    """Load the plain shard of tag ``plain`` (DP=2: one replica reads it and broadcasts its bytes), recording
+    which read of the S3 bucket this rank made of it."""
+    import torch
+
+    import nxd_ckpt
+    import parallel_state as ps
+    from nxd_ckpt.storage import s3
+
+    ps.initialize_model_parallel(tensor_model_parallel_size=1)
+    s3.RANGE_SIZE = 1 << 20
+    reads = []
+    for name in ("get", "get_into"):
+        def wrap(self, key, *a, _orig=getattr(s3.S3Bucket, name), _name=name, **kw):
+            reads.append((_name, key.rsplit("/", 1)[-1]))
+            return _orig(self, key, *a, **kw)
+        setattr(s3.S3Bucket, name, wrap)
+    target = {}
+    nxd_ckpt.load_checkpoint(url, "plain", model=target)
+    return [r for r in reads if r[1].endswith(".pt")], {k: v.clone() for k, v in target.items()}
+
+
+def test_a_replicated_plain_shard_is_read_into_one_buffer(s3_url):
+    """DP=2 and a plain (non-xser) shard of 3 MiB: one replica reads it from S3 with parallel ranged GETs
+    straight into one host buffer (``get_into``, not ranges joined into ``bytes``), unpickles it in place and
+    broadcasts that buffer; the other replica reads nothing of it. Both load it bit-exactly."""
+    import torch
+
+    import nxd_ckpt
+
+    model = {f"w{i}": torch.randn(1 << 18) for i in range(3)}
+    nxd_ckpt.save_checkpoint(s3_url, "plain", use_xser=False, model=model)
+    out = run_ranks(_plain_replica_load_rank, 2, s3_url, timeout=180)
+    for _, loaded in out:
+        assert sorted(loaded) == sorted(model) and all(torch.equal(loaded[k], model[k]) for k in model)
+    reads = sorted(r for rank_reads, _ in out for r in rank_reads)
+    assert reads == [("get_into", "dp_rank_00_tp_rank_00_pp_rank_00.pt")], out
