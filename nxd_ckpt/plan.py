@@ -22,6 +22,8 @@ def assign_to_bins(sizes: Sequence[int], bins: int) -> List[List[int]]:
     least-loaded bin, lowest bin index on ties). Deterministic, so every replica computes the same split."""
     if bins < 1:
         raise ValueError("bins must be >= 1")
+    if bins == 1:
+        return [list(range(len(sizes)))]
     out: List[List[int]] = [[] for _ in range(bins)]
     load = [0] * bins
     order = sorted(range(len(sizes)), key=lambda i: (-sizes[i], i))
@@ -115,8 +117,8 @@ def plan_shard(folder: str, filename: str, replicas: List[int], rank: int, ref_b
     ``skip`` tids are not written at all (their data is saved elsewhere: avoid_saving_lower_precision_weights)."""
     my_index = replicas.index(rank)
     if xser:
-        own = [t for t in range(len(tensors)) if t not in skip
-               and layout.tensor_home(filename, layout.is_expert(tensor_meta.get(t))) == filename]
+        here = {e: layout.tensor_home(filename, e) == filename for e in (False, True)}
+        own = [t for t in range(len(tensors)) if t not in skip and here[layout.is_expert(tensor_meta.get(t))]]
         bins = assign_to_bins([tensor_nbytes(tensors[t]) for t in own], len(replicas))
         my_tids = sorted(own[i] for i in bins[my_index])
     else:

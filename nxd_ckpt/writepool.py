@@ -91,6 +91,17 @@ class TaskQueue:
     def add(self, task: WriteTask) -> None:
         self._q.put(task)
 
+    def add_many(self, tasks: List[WriteTask]) -> None:
+        """Queue ``tasks`` at once: one lock and one wake-up per writer, not one per task (the snapshot
+        queues thousands of small files from the training thread)."""
+        if not tasks:
+            return
+        q = self._q
+        with q.mutex:       # queue.Queue's own lock and condition (unbounded queue: never full)
+            q.queue.extend(tasks)
+            q.unfinished_tasks += len(tasks)
+            q.not_empty.notify(len(tasks))
+
     def close(self) -> None:
         self._q.put(_END)
 

@@ -190,6 +190,32 @@ def test_a_failed_snapshot_gives_its_host_memory_back(tmp_path, monkeypatch):
     assert nxd_ckpt.list_checkpoints(root) == ["good"]
 
 
+def test_a_failure_while_handing_out_files_leaks_no_budget_or_buffers(tmp_path, monkeypatch):
+    """The copy succeeded but building the third file's task fails: the files built so far are never queued,
+    their shares of the lease and every pool buffer come back, and nothing of the save is committed."""
+    import nxd_ckpt
+    import nxd_ckpt.engine as engine_mod
+
+    root = str(tmp_path / "ckpt")
+    state = {f"t{i}": torch.full((64,), float(i)).to(xla_device()) for i in range(6)}
+    nxd_ckpt.save_checkpoint(root, "good", model=state, use_xser=True)
+    real, calls = engine_mod.tensor_producer, []
+
+    def third_fails(t):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("producer broke (injected)")
+        return real(t)
+
+    monkeypatch.setattr(engine_mod, "tensor_producer", third_fails)
+    with pytest.raises(nxd_ckpt.RankFailureError, match="producer broke"):
+        nxd_ckpt.save_checkpoint(root, "bad", model=state, use_xser=True)
+    eng = engine_mod.get_engine()
+    assert eng.budget.used == 0
+    assert eng.buffers._lent == {}
+    assert nxd_ckpt.list_checkpoints(root) == ["good"]
+
+
 # ---- a write error on one rank of four ---------------------------------------------------------------
 def _failing_rank(rank, world, root):
     import nxd_ckpt

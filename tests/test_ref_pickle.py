@@ -52,3 +52,61 @@ def test_fast_ref_pickle_is_byte_identical_and_loads(name, monkeypatch):
         assert back == obj
     if name == "own_global_in_a_key":
         assert list(back) == list(obj) and back[list(obj)[0]] == TensorReference(0)
+
+
+class _HoldsStorage:
+    """A custom object whose pickle holds a raw storage: only torch.save's persistent_id can write it."""
+
+    def __init__(self):
+        self.s = torch.arange(4, dtype=torch.int32).untyped_storage()
+
+
+@pytest.mark.parametrize("obj", [{"x": _HoldsStorage(), "r": TensorReference(1)},
+                                 [torch.ones(2).untyped_storage()], {"p": torch.nn.Parameter(torch.ones(2))}],
+                         ids=["storage_in_object", "raw_storage", "parameter"])
+def test_tensors_and_storages_anywhere_take_torch_saves_persistent_path(obj):
+    """Without persistent_id a storage would be pickled by value (or fail): the fast path must notice it
+    wherever it sits, and write what the pure-Python pickler writes."""
+    assert _fast_bytes(obj) == _slow_bytes(obj)
+
+
+def test_no_storage_pickle_never_calls_persistent_id(monkeypatch):
+    """The point of the fast path: torch.save's per-object persistent_id is not called for plain data."""
+    calls = []
+    real = torch.serialization._save
+
+    def counting_save(obj, zip_file, pickle_module, *a, **kw):
+        class Counting(pickle_module.Pickler):
+            def persistent_id(self, o):
+                calls.append(1)
+                return None
+
+        mod = types.ModuleType("counting")
+        mod.Pickler = Counting
+        return real(obj, zip_file, mod, *a, **kw)
+
+    monkeypatch.setattr(torch.serialization, "_save", counting_save)
+    buf = io.BytesIO()
+    torch.save(CASES["flat"], buf, pickle_module=xser.REF_PICKLE)
+    assert calls == []
+    monkeypatch.undo()
+    assert buf.getvalue() == _slow_bytes(CASES["flat"])
+
+
+def test_info_pickle_is_what_torch_save_writes():
+    """``.info.pt`` built from the meta captured at call time (by a writer thread) holds exactly the bytes
+    torch.save wrote from the tensors themselves."""
+    from nxd_ckpt.capture import info_bytes, tensor_meta
+
+    tensors = [torch.ones(3, 2), torch.zeros(4, dtype=torch.bfloat16), torch.tensor(5, dtype=torch.int64)]
+    tensors[0].expert_model_parallel = True
+    attrs = {"b": {"tensor_model_parallel": True, "partition_dim": 0, "partition_stride": 1}}
+    meta = tensor_meta(tensors, {0: "a", 1: "b", 2: "c"}, attrs)
+    expected = {0: {"dtype": torch.float32, "shape": torch.Size([3, 2]), "expert_model_parallel": True},
+                1: {"dtype": torch.bfloat16, "shape": torch.Size([4]), "expert_model_parallel": False,
+                    "tensor_model_parallel": True, "partition_dim": 0, "partition_stride": 1},
+                2: {"dtype": torch.int64, "shape": torch.Size([]), "expert_model_parallel": False}}
+    buf = io.BytesIO()
+    torch.save(expected, buf)
+    assert info_bytes(meta) == buf.getvalue()
+    assert torch.load(io.BytesIO(info_bytes(meta)), weights_only=True) == expected

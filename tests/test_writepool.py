@@ -88,3 +88,22 @@ def test_writer_threads_run_below_the_callers_priority(tmp_path):
     assert res.error is None
     assert seen == [min(19, base + writepool.BACKGROUND_NICE)] * 8
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == base
+
+
+def test_add_many_queues_in_order_and_wakes_a_waiting_writer(tmp_path):
+    """The snapshot queues a chunk's files in one step; a writer already waiting for work gets them, in order,
+    interleaved correctly with single adds, and every file is written."""
+    import threading
+
+    q = TaskQueue()
+    got = []
+    reader = threading.Thread(target=lambda: got.extend(t.relpath for t in q))
+    reader.start()                       # blocked in get() on the empty queue
+    q.add_many([bytes_task(f"a{i}", b"x") for i in range(3)])
+    q.add(bytes_task("b", b"y"))
+    q.add_many([])
+    q.add_many([bytes_task("c0", b"z"), bytes_task("c1", b"z")])
+    q.close()
+    reader.join(timeout=10)
+    assert not reader.is_alive()
+    assert got == ["a0", "a1", "a2", "b", "c0", "c1"]

@@ -69,7 +69,16 @@ class _FastRefPickler(pickle.Pickler):
     def dump(self, obj):
         if not isinstance(self._out, io.BytesIO) or self._out.tell() != 0:
             return self._slow(obj)
-        super().dump(obj)
+        try:
+            # torch.save's subclass calls its persistent_id (a Python function) for every object pickled; it
+            # only names storages, so where there are none the pickle is the same without it, at a third of
+            # the CPU (5,000 tensors: 0.07 of 0.10 s in the ref and info pickles of a save's stall).
+            self._refs = _NoStoragePickler(self._out, self._protocol, **self._kw).dump_counting(obj)
+        except _HasStorage:
+            self._out.seek(0)
+            self._out.truncate()
+            self._refs = 0
+            super().dump(obj)
         if not self._refs:
             return None
         data = self._out.getvalue()
@@ -88,6 +97,28 @@ class _FastRefPickler(pickle.Pickler):
         slow = _RefPickler(self._out, self._protocol, **self._kw)
         slow.persistent_id = self.persistent_id        # torch.save's subclass names tensor storages here
         return slow.dump(obj)
+
+
+class _HasStorage(Exception):
+    """A tensor or storage met while pickling without torch.save's persistent_id."""
+
+
+class _NoStoragePickler(pickle.Pickler):
+    """The C pickler with no persistent_id: raises _HasStorage at the first tensor or storage (whose pickle
+    needs torch.save's persistent_id), and counts TensorReferences. Only objects of non-builtin types reach
+    ``reducer_override``, and every tensor or storage is one."""
+
+    def reducer_override(self, obj):
+        if type(obj) is TensorReference:
+            self.refs += 1
+        elif isinstance(obj, (torch.Tensor, torch.storage.TypedStorage)) or torch.is_storage(obj):
+            raise _HasStorage
+        return NotImplemented
+
+    def dump_counting(self, obj) -> int:
+        self.refs = 0
+        self.dump(obj)
+        return self.refs
 
 
 def _make_pickle_module() -> types.ModuleType:
