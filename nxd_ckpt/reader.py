@@ -399,10 +399,9 @@ def read_shard(reader: FileReader, relpath: str, replicas: List[int], rank: int,
     ref_data = reader.load_pickle(relpath)
     every = sorted(xser.collect_tids(ref_data))
     tids = [] if skip is ALL else [t for t in every if t not in skip]
-    absent = [t for t in every if t not in tids]
-    info = None
-    if every and reader.exists(layout.info_path(relpath)):
-        info = reader.load_pickle(layout.info_path(relpath))
+    kept = set(tids)
+    absent = [t for t in every if t not in kept]
+    info = shard_info(reader, relpath, tids) if every else None
     complete = info is not None and all(t in info for t in tids)
     # Without .info.pt (NxD <= 0.6) nothing says which tensors are experts: each lives in its own folder.
     expert = {t: layout.is_expert(info[t]) if complete else True for t in tids}
@@ -422,6 +421,41 @@ def read_shard(reader: FileReader, relpath: str, replicas: List[int], rank: int,
     alone = {t: dev for t, dev in targets_by_tid(ref_data, live).items() if group_of.get(t) == (rank,)}
     tensors = read_tensors(reader, {t: layout.tensor_path(home[t], t) for t in mine}, pool, workers, alone)
     return ShardRead(relpath, ref_data, tids, owner_of, info, tensors, list(replicas), group_of, absent=absent)
+
+
+#: The partition attributes an ``.info.pt`` entry carries besides dtype, shape and expert_model_parallel (NxD's).
+_INFO_ATTRS = ("tensor_model_parallel", "partition_dim", "partition_stride")
+
+
+def shard_info(reader: FileReader, relpath: str, tids: List[int]) -> Optional[dict]:
+    """The shard's tensor metadata as its ``.info.pt`` holds it ({tid: {dtype, shape, expert_model_parallel,
+    partition attributes}}): from the manifest when it records the dtype and shape of every tensor of ``tids``
+    (parsed and verified already: no file read, and no safe unpickling of an entry per tensor, which took
+    0.14 CPU-s and 0.25 s before the first tensor read for 5,000 tensors), else from the ``.info.pt`` file
+    (verified), None when the shard has neither (NxD <= 0.6)."""
+    info = _info_from_manifest(reader.manifest, relpath)
+    if info is not None and all(t in info for t in tids):
+        return info
+    rel = layout.info_path(relpath)
+    return reader.load_pickle(rel) if reader.exists(rel) else None
+
+
+def _info_from_manifest(manifest: Optional[Manifest], relpath: str) -> Optional[dict]:
+    """``.info.pt``'s entries (as ``capture.info_bytes`` writes them) from the manifest's tensor records of the
+    shard; None when it has none, or one the file would say better (an unknown dtype name)."""
+    meta = manifest.tensors.get(relpath) if manifest is not None else None
+    if not meta:
+        return None
+    info = {}
+    for tid, m in meta.items():
+        dtype = getattr(torch, m.dtype, None)
+        if not isinstance(dtype, torch.dtype) or not tid.isdigit():
+            return None
+        entry = {"dtype": dtype, "shape": torch.Size(m.shape),
+                 "expert_model_parallel": bool(m.attrs.get("expert_model_parallel", False))}
+        entry.update((k, m.attrs[k]) for k in _INFO_ATTRS if k in m.attrs)
+        info[int(tid)] = entry
+    return info
 
 
 #: The load pipeline's host-to-device batches: large enough that a transfer call costs little per byte, small

@@ -112,3 +112,42 @@ def test_host_memory_holds_the_files_in_flight_plus_one_batch(monkeypatch):
     # at most 2 * workers reads in flight, plus a batch of 3 tensors waiting for its transfer
     assert fake.most <= 2 * workers + 3, fake.most
     assert fake.alive == 0
+
+
+def test_shard_info_comes_from_the_manifest_without_reading_the_info_file(tmp_path, monkeypatch):
+    """The .info.pt entries the load uses are built from the manifest (no per-tensor safe unpickling), equal to
+    the file's own, expert and partition attributes included; a manifest without tensor records falls back to
+    the file."""
+    import dataclasses
+
+    import nxd_ckpt
+    from nxd_ckpt import layout, reader
+    from nxd_ckpt import manifest as manifest_mod
+    from nxd_ckpt.storage.local import LocalStorage
+
+    dev = xla_device()
+    root = str(tmp_path / "ckpt")
+    state = _state(dev)
+    state["w3"].expert_model_parallel = True
+    nxd_ckpt.save_checkpoint(root, "a", model=state, use_xser=True)
+    storage = LocalStorage(root)
+    man = manifest_mod.read(storage, "a")
+    rd = reader.FileReader(storage, "a", man)
+    from_file = rd.load_pickle(layout.info_path(SHARD))
+    tids = sorted(from_file)
+    assert any(e["expert_model_parallel"] for e in from_file.values())
+
+    read = []
+    original = reader.FileReader.load_pickle
+    monkeypatch.setattr(reader.FileReader, "load_pickle", lambda self, rel: (read.append(rel), original(self, rel))[1])
+    assert reader.shard_info(rd, SHARD, tids) == from_file
+    assert read == []
+    bare = reader.FileReader(storage, "a", dataclasses.replace(man, tensors={}))
+    assert reader.shard_info(bare, SHARD, tids) == from_file
+    assert read == [layout.info_path(SHARD)]
+
+    read.clear()
+    target = {k: torch.zeros_like(v) for k, v in state.items()}
+    nxd_ckpt.load_checkpoint(root, "a", model=target)
+    assert layout.info_path(SHARD) not in read and SHARD in read, read
+    assert_bit_equal(to_cpu_state(state), to_cpu_state(target))
