@@ -4,9 +4,13 @@ on bench.py's state: ``before`` against ``after``, everything else as nxd_ckpt d
 page cache is written back and dropped (bench.Cache), so each starts from a clean disk.
 
 Levers: ``writeback`` (no early writeback against ``sync_file_range`` WRITE as each file of
-``storage.local.WRITEBACK_MIN_BYTES`` or more is closed).
+``storage.local.WRITEBACK_MIN_BYTES`` or more is closed); ``workers`` (``num_workers``, the writer threads:
+``--before`` against ``--after``).
 
     python scripts/ab_commit.py --lever writeback --size-gb 1 --tensors 300 --rounds 4 --out bench_out/ab_writeback_1gb.json
+
+``--before N`` / ``--after N`` set the two variants' value of the lever's knob (writeback: ``WRITEBACK_MIN_BYTES``,
+e.g. the default 1 MiB against 64 KiB for many small files; workers: ``num_workers``).
 """
 from __future__ import annotations
 
@@ -21,15 +25,18 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import bench  # noqa: E402
 
-LEVERS = ("writeback",)
+LEVERS = ("writeback", "workers")
 _NEVER = 1 << 62
 
 
-def _set_lever(lever: str, after: bool, defaults: dict) -> None:
+def _set_lever(lever: str, after: bool, values: dict, kw: dict) -> None:
     from nxd_ckpt.storage import local
 
+    value = values["after" if after else "before"]
     if lever == "writeback":
-        local.WRITEBACK_MIN_BYTES = defaults["writeback"] if after else _NEVER
+        local.WRITEBACK_MIN_BYTES = value
+    elif lever == "workers":
+        kw["num_workers"] = value
 
 
 def main() -> int:
@@ -41,12 +48,16 @@ def main() -> int:
     p.add_argument("--num-workers", type=int, default=8)
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--dir", default="/tmp/nxd_ckpt_ab_commit")
+    p.add_argument("--before", type=int, help="the knob's value in 'before' (writeback: never started)")
+    p.add_argument("--after", type=int, help="the knob's value in 'after' (writeback: the module's default)")
     p.add_argument("--out")
     args = p.parse_args()
     import nxd_ckpt
     from nxd_ckpt.storage import local
 
-    defaults = {"writeback": local.WRITEBACK_MIN_BYTES}
+    defaults = {"writeback": (_NEVER, local.WRITEBACK_MIN_BYTES), "workers": (args.num_workers, args.num_workers)}
+    values = {"before": defaults[args.lever][0] if args.before is None else args.before,
+              "after": defaults[args.lever][1] if args.after is None else args.after}
     model, optim, _ = bench.build_state(int(args.size_gb * 1e9), args.tensors, bench.device(), args.state)
     kw = {"model": model, "use_xser": True, "num_workers": args.num_workers,
           **({"optimizer": optim} if optim is not None else {})}
@@ -54,7 +65,7 @@ def main() -> int:
     cache = bench.Cache()
 
     def one(variant: str, i: int) -> dict:
-        _set_lever(args.lever, variant == "after", defaults)
+        _set_lever(args.lever, variant == "after", values, kw)
         shutil.rmtree(args.dir, ignore_errors=True)
         os.makedirs(args.dir)
         bench.trim_heap()
@@ -70,7 +81,8 @@ def main() -> int:
 
     res, loads = bench.alternate(("before", "after"), one, args.rounds)
     shutil.rmtree(args.dir, ignore_errors=True)
-    out = {"lever": args.lever, "bytes": nbytes, "tensors": args.tensors, "state": args.state, "rounds": args.rounds,
+    out = {"lever": args.lever, "values": values, "bytes": nbytes, "tensors": args.tensors, "state": args.state,
+           "rounds": args.rounds,
            "filesystem": _fs_type(args.dir), "load1": loads, "median": bench.medians(res),
            "commit_s_rounds": {v: [round(x["commit_s"], 3) for x in res[v]] for v in res},
            "cpu_s_per_gb_rounds": {v: [round(x["cpu_s_per_gb"], 3) for x in res[v]] for v in res}}
