@@ -128,3 +128,24 @@ def test_markdown_of_an_s3_run_prints_its_table(tmp_path, capsys):
     assert "| median s | 1.50 | 1.25 | 2.00 | 4.00 |" in out and "| GB/s | 0.167 | 0.200 | 0.125 | 0.062 |" in out
     assert "| save >= 0.9 x upload | 0.167 | 0.113 | yes |" in out and "| load >= save | 0.200 | 0.250 | **no** |" in out
     assert out[-1] == "S3 requests per load: 1 head_object, 10 get_object."
+
+
+@pytest.mark.timeout(300)
+def test_ab_commit_tiny_run_alternates_the_lever_and_writes_its_json(tmp_path):
+    """scripts/ab_commit.py: both variants of a lever run (warm-up + alternating rounds) and the JSON holds the
+    knob values, the filesystem and every median; its save directory is removed."""
+    out = tmp_path / "ab.json"
+    cmd = [sys.executable, os.path.join(ROOT, "scripts", "ab_commit.py"), "--lever", "workers", "--before", "2",
+           "--after", "1", "--size-gb", "0.002", "--tensors", "8", "--rounds", "2", "--dir", str(tmp_path / "d"),
+           "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, PJRT_DEVICE="CPU"), capture_output=True, text=True,
+                          timeout=280)
+    assert proc.returncode == 0, f"ab_commit.py failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    r = json.loads(out.read_text())
+    assert r["lever"] == "workers" and r["values"] == {"before": 2, "after": 1} and r["rounds"] == 2
+    assert r["filesystem"] not in ("", "unknown")
+    for v in ("before", "after"):
+        assert len(r["commit_s_rounds"][v]) == 2
+        for k in ("stall_s", "write_done_s", "commit_s", "commit_gbps", "cpu_s_per_gb"):
+            _sane(r["median"][v][k], f"median.{v}.{k}")
+    assert not os.path.exists(tmp_path / "d")
