@@ -197,38 +197,35 @@ class S3Bucket(Bucket):
             return self._read_body(key, Range=rng)
 
     def get_into(self, key: str, view: memoryview, offset: int = 0) -> int:
-        """Parallel ranged GETs of RANGE_SIZE covering ``view``, all requested at once (the caller sized ``view``
-        to the object: the manifest's size or a HEAD; waiting for the first range's headers to learn the size
-        cost a time to first byte per object), each body read straight into its slice of ``view`` (no bytes
-        object per range, no join). A range that runs past the object's end is filled up to it; one that starts
-        past it is empty. A body dropped midway is fetched again."""
+        """Parallel ranged GETs of RANGE_SIZE, each response body read straight into its slice of ``view`` (no
+        bytes object per range, no join): the first range's Content-Range names the object's size (no HEAD),
+        the others are requested as soon as its headers arrive. A body dropped midway is fetched again."""
         view = memoryview(view).cast("B")
         if not len(view):
             return 0
-        futures = [self._pool.submit(self._range_into, key, view[a:a + RANGE_SIZE], offset + a)
-                   for a in range(RANGE_SIZE, len(view), RANGE_SIZE)]
+        first = min(len(view), RANGE_SIZE)
         try:
-            sizes = [self._range_into(key, view[:RANGE_SIZE], offset)] + [f.result() for f in futures]
-        except BaseException:
-            for f in futures:
-                f.cancel()
-            raise
-        size = next((s for s in sizes if s is not None), None)
-        return 0 if size is None else max(0, min(len(view), size - offset))  # None: empty, or offset past the end
-
-    def _range_into(self, key: str, view: memoryview, offset: int) -> Optional[int]:
-        """Fill ``view`` with the object's bytes from ``offset`` (fewer at its end); the object's size (from
-        Content-Range), None when ``offset`` is at or past its end."""
-        def get_and_fill(client, **args):   # the body is read inside the retried call, as in _read_body
-            resp = client.get_object(**args)
-            _body_into(resp["Body"], view[:int(resp["ContentLength"])])
-            return int(resp["ContentRange"].rsplit("/", 1)[1])
-
-        try:
-            return self.call("get_object", key, fn=get_and_fill, Key=key,
-                             Range=f"bytes={offset}-{offset + len(view) - 1}")
+            resp = self.call("get_object", key, Key=key, Range=f"bytes={offset}-{offset + first - 1}")
         except _RangeNotSatisfiable:
-            return None
+            return 0                    # an empty object, or offset at or past the end
+        size = int(resp["ContentRange"].rsplit("/", 1)[1])
+        total = max(0, min(len(view), size - offset))
+        futures = [self._pool.submit(self._range_into, key, view[a:min(a + RANGE_SIZE, total)], offset + a)
+                   for a in range(first, total, RANGE_SIZE)]
+        head = view[:min(first, total)]
+        try:
+            _body_into(resp["Body"], head)
+        except _transient_errors():
+            self._range_into(key, head, offset)
+        for f in futures:
+            f.result()
+        return total
+
+    def _range_into(self, key: str, view: memoryview, offset: int) -> None:
+        def get_and_fill(client, **args):   # the body is read inside the retried call, as in _read_body
+            _body_into(client.get_object(**args)["Body"], view)
+
+        self.call("get_object", key, fn=get_and_fill, Key=key, Range=f"bytes={offset}-{offset + len(view) - 1}")
 
     def head(self, key: str) -> Stat:
         resp = self.call("head_object", key, Key=key)
