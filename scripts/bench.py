@@ -421,6 +421,72 @@ def limit_disk_parallel(folder: str, total: int, cache: Cache, threads: int, fil
     return write_s, read_s
 
 
+def file_sizes(root: str) -> list:
+    """Sizes of every file under ``root`` (a saved checkpoint: the file set the per-file floor writes)."""
+    return sorted(os.path.getsize(f) for f in _files(root))
+
+
+def limit_files(folder: str, sizes: list, cache: Cache, threads: int) -> dict:
+    """The machine's per-file floor for one file set: ``len(sizes)`` files of those sizes, written by ``threads``
+    threads with os.open/os.write/os.close into one folder, made durable with one syncfs and a folder fsync;
+    then (page cache dropped) read back by ``threads`` threads with os.open/os.readv into fresh host
+    tensors/os.close. Wall seconds and process CPU seconds (every thread, user + system) of each phase."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from nxd_ckpt.storage.local import _syncfs
+
+    block = memoryview(bytearray(os.urandom(1 << 20)) * 16)
+    shutil.rmtree(folder, ignore_errors=True)
+    os.makedirs(folder)
+    path = lambda i: os.path.join(folder, f"f{i}")  # noqa: E731
+
+    def write(i):
+        fd = os.open(path(i), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            left = sizes[i]
+            while left > 0:
+                left -= os.write(fd, block[:min(left, len(block))])
+        finally:
+            os.close(fd)
+
+    def read(i):
+        out = torch.empty(sizes[i], dtype=torch.uint8)
+        view = memoryview(out.numpy())
+        fd = os.open(path(i), os.O_RDONLY)
+        try:
+            got = 0
+            while got < sizes[i]:
+                n = os.readv(fd, [view[got:]])
+                if not n:
+                    break
+                got += n
+        finally:
+            os.close(fd)
+        return out
+
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(lambda i: None, range(threads)))      # the threads exist before the clock starts
+        trim_heap()
+        cache.drop(folder)
+        c, t = cpu_time(), time.perf_counter()
+        list(pool.map(write, range(len(sizes))))
+        dfd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            _syncfs(dfd)
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+        out = {"write_s": time.perf_counter() - t, "write_cpu_s": cpu_time() - c}
+        cache.drop(folder)
+        trim_heap()
+        c, t = cpu_time(), time.perf_counter()
+        host = list(pool.map(read, range(len(sizes))))
+        out.update(read_s=time.perf_counter() - t, read_cpu_s=cpu_time() - c)
+    del host
+    shutil.rmtree(folder, ignore_errors=True)
+    return out
+
+
 # --- methods -------------------------------------------------------------------------------------------
 class Bench:
     def __init__(self, args):
@@ -434,6 +500,7 @@ class Bench:
         self.rss = RssSampler()
         self.counter = 0
         self.created = set()
+        self.file_set = None        # sizes of the files of nxd_ckpt's first save: the per-file floor's file set
 
     def whole(self) -> dict:
         """What the peers save: the model and, with an optimizer, both."""
@@ -525,6 +592,8 @@ class Bench:
     def _nxd_method(self, name, async_save, device_snapshot, check, load=True):
         root = self.fresh(name)
         out, tag = self.nxd_save(root, async_save, device_snapshot)
+        if self.file_set is None:
+            self.file_set = file_sizes(root)
         if load:
             out["load_s"], out["load_cpu_s_per_gb"] = self.nxd_load(root, tag, check)
         elif check:
@@ -642,9 +711,12 @@ class Bench:
 
         for _ in range(5):
             step()
-        base = [step() for _ in range(self.args.train_steps)]
         root = self.fresh("nxd_train")
+        c, f = cpu_time(), minor_faults()
+        base = [step() for _ in range(self.args.train_steps)]
+        step_cpu, step_faults = (cpu_time() - c) / len(base), (minor_faults() - f) / len(base)
         done = threading.Event()
+        c, f = cpu_time(), minor_faults()
         nxd_ckpt.save_checkpoint(root, f"step_{self.counter}", async_save=True, **self.save_kwargs())
         waiter = threading.Thread(target=lambda: (nxd_ckpt.finalize_checkpoint(), done.set()), daemon=True)
         waiter.start()
@@ -652,11 +724,16 @@ class Bench:
         while not done.is_set():
             during.append(step())
         waiter.join()
+        c, f = cpu_time() - c, minor_faults() - f
         after = [step() for _ in range(self.args.train_steps)]
         baseline = statistics.median(base + after)
         loaded = statistics.median(during) if during else baseline
         return {"ratio": loaded / baseline, "step_s_without": baseline, "step_s_during_save": loaded,
-                "steps_during_save": len(during)}
+                "steps_during_save": len(during),
+                # the save's own share of the process's CPU and page faults from the call to commit: the
+                # window's minus what the training steps in it cost without a save (robust to other load)
+                "save_cpu_s": c - step_cpu * len(during), "train_step_cpu_s": step_cpu,
+                "save_page_faults_mb": (f - step_faults * len(during)) * 4096 / MB}
 
     def rss_peak(self, method: str) -> dict:
         """Peak RSS above the pre-call RSS of one save of ``method`` (call to commit), after returning free heap
@@ -774,7 +851,9 @@ def run(args) -> dict:
           f"page cache: {b.cache.mode}; {args.repeat} rounds + 1 warm-up", flush=True)
     lim = {"d2h_batched_s": [], "d2h_chunked_s": [], "h2d_s": [], "write_s": [], "read_s": [],
            "write_parallel_s": [], "read_parallel_s": [], "d2h_batched_page_faults_mb": [],
-           "d2h_chunked_page_faults_mb": [], "d2h_batched_cpu_s_per_gb": []}
+           "d2h_chunked_page_faults_mb": [], "d2h_batched_cpu_s_per_gb": [], "h2d_cpu_s_per_gb": [],
+           "d2h_chunked_cpu_s_per_gb": [], "files_write_s": [], "files_write_cpu_s_per_gb": [], "files_read_s": [],
+           "files_read_cpu_s_per_gb": []}
     res = {m: {} for m in methods}
     probe = os.path.join(b.dir, "disk_probe.bin")
     for rnd in range(args.repeat + 1):
@@ -784,10 +863,14 @@ def run(args) -> dict:
         c = cpu_time()
         d2h, host, d2h_faults = limit_d2h(b.tensors)
         d2h_cpu = b.per_gb(cpu_time() - c)
+        c = cpu_time()
         h2d = limit_h2d(host, b.dev)
+        h2d_cpu = b.per_gb(cpu_time() - c)
         del host
         trim_heap()
+        c = cpu_time()
         d2hc, host, d2hc_faults = limit_d2h_chunked(b.tensors)
+        d2hc_cpu = b.per_gb(cpu_time() - c)
         del host
         trim_heap()
         gc.collect()
@@ -797,7 +880,8 @@ def run(args) -> dict:
             for k, v in (("d2h_batched_s", d2h), ("d2h_chunked_s", d2hc), ("h2d_s", h2d), ("write_s", w),
                          ("read_s", r), ("write_parallel_s", wp), ("read_parallel_s", rp),
                          ("d2h_batched_cpu_s_per_gb", d2h_cpu), ("d2h_batched_page_faults_mb", d2h_faults * 4096 / MB),
-                         ("d2h_chunked_page_faults_mb", d2hc_faults * 4096 / MB)):
+                         ("d2h_chunked_page_faults_mb", d2hc_faults * 4096 / MB), ("h2d_cpu_s_per_gb", h2d_cpu),
+                         ("d2h_chunked_cpu_s_per_gb", d2hc_cpu)):
                 lim[k].append(v)
         shift = rnd % len(methods)      # rotate the order so no method always runs right after another
         for m in methods[shift:] + methods[:shift]:
@@ -808,9 +892,17 @@ def run(args) -> dict:
                     res[m].setdefault(k, []).append(v)
             print(f"  round {rnd}{' (warm-up)' if warm else ''} {m}: "
                   + ", ".join(f"{k}={v:.3f}" for k, v in out.items()), flush=True)
+        # after the methods: the file set is that of nxd_ckpt's first save (one file per tensor otherwise)
+        fl = limit_files(os.path.join(b.dir, "files_floor"), b.file_set or [t.nbytes for t in b.tensors], b.cache,
+                         args.num_workers)
+        if not warm:
+            for k in ("write", "read"):
+                lim[f"files_{k}_s"].append(fl[f"{k}_s"])
+                lim[f"files_{k}_cpu_s_per_gb"].append(b.per_gb(fl[f"{k}_cpu_s"]))
         print(f"  round {rnd}: limits d2h={d2h:.3f} ({d2h_faults * 4096 / MB:.0f} MB faulted) "
               f"d2h_chunked={d2hc:.3f} ({d2hc_faults * 4096 / MB:.0f} MB faulted) h2d={h2d:.3f} write={w:.3f} "
-              f"write_parallel={wp:.3f} read={r:.3f} read_parallel={rp:.3f} "
+              f"write_parallel={wp:.3f} read={r:.3f} read_parallel={rp:.3f} files_write={fl['write_s']:.3f} "
+              f"({fl['write_cpu_s']:.2f} CPU-s) files_read={fl['read_s']:.3f} ({fl['read_cpu_s']:.2f} CPU-s) "
               f"({time.perf_counter() - t_round:.0f}s, load avg {os.getloadavg()[0]:.1f})", flush=True)
     b.cleanup()
 
@@ -821,6 +913,15 @@ def run(args) -> dict:
               "disk_write_parallel_gbps": b.bytes / med(lim["write_parallel_s"]) / GB,
               "disk_read_parallel_gbps": b.bytes / med(lim["read_parallel_s"]) / GB,
               "d2h_batched_cpu_s_per_gb": med(lim["d2h_batched_cpu_s_per_gb"]),
+              "d2h_chunked_cpu_s_per_gb": med(lim["d2h_chunked_cpu_s_per_gb"]),
+              "h2d_cpu_s_per_gb": med(lim["h2d_cpu_s_per_gb"]),
+              "files_n": len(b.file_set or b.tensors),
+              "files_bytes": sum(b.file_set) if b.file_set else b.bytes,
+              "files_source": "nxd_ckpt's first save" if b.file_set else "one file per tensor",
+              "files_write_s": med(lim["files_write_s"]),
+              "files_write_cpu_s_per_gb": med(lim["files_write_cpu_s_per_gb"]),
+              "files_read_s": med(lim["files_read_s"]),
+              "files_read_cpu_s_per_gb": med(lim["files_read_cpu_s_per_gb"]),
               "samples": lim}
     methods_out = {m: {k: med(v) for k, v in res[m].items()} for m in methods}
     for m in methods:
@@ -884,6 +985,12 @@ def run(args) -> dict:
                                         "then the folder",
             "disk_read_parallel_gbps": "those 64 files read back (page cache dropped) by num_workers threads into "
                                        "fresh host tensors",
+            "files_write_s": "per-file floor: files_n files of the sizes of nxd_ckpt's files (files_source), "
+                             "written by num_workers threads with os.open/os.write/os.close, then one syncfs and "
+                             "a folder fsync, measured after the methods of each round; files_write_cpu_s_per_gb: "
+                             "process CPU time of that, per GB of state",
+            "files_read_s": "those files read back (page cache dropped) by num_workers threads with "
+                            "os.open/os.readv/os.close into fresh host tensors; files_read_cpu_s_per_gb: its CPU",
             "cpu_s_per_gb": "process CPU time (every thread, user + system, getrusage) from the call to commit (sync "
                             "methods: to return) per GB saved; stall_cpu_s_per_gb: during the call only; "
                             "load_cpu_s_per_gb: of the load",
@@ -966,6 +1073,8 @@ def targets(r: dict) -> dict:
         bound = 0.85 * lim["disk_write_gbps"]
         add("extra_commit_vs_one_stream", thr, bound, thr >= bound,
             "(extra) bytes / nxd_ckpt_async commit_s >= 0.85 x one-stream write+fsync (GB/s)")
+        if "files_write_s" in lim:
+            _file_floor_targets(add, a, lim, nbytes_, workers)
     slow = r.get("train_step_slowdown")
     if slow is not None and not math.isnan(slow):
         add("train_step_slowdown", slow, TRAIN_SLOWDOWN_MAX, slow <= TRAIN_SLOWDOWN_MAX,
@@ -986,6 +1095,46 @@ def targets(r: dict) -> dict:
         add("extra_raw_rss_no_growth", g["growth_mb"], bound, g["growth_mb"] <= bound,
             f"(extra) raw RSS after save {g['saves']} - after save 1 <= {bound:.0f} MB")
     return out
+
+
+def _file_floor_targets(add, a: dict, lim: dict, nbytes_: int, workers: int) -> None:
+    """(extra) nxd_ckpt_async against the per-file floor of its own file set (``limit_files``)."""
+    n = lim["files_n"]
+    bound = lim["d2h_chunked_cpu_s_per_gb"] + lim["files_write_cpu_s_per_gb"]
+    add("extra_cpu_vs_file_floor", a["cpu_s_per_gb"], bound, a["cpu_s_per_gb"] <= bound,
+        f"(extra) nxd_ckpt_async cpu_s_per_gb <= chunked d2h + {n}-file write floor (CPU-s/GB)")
+    thr, floor = nbytes_ / a["commit_s"] / GB, nbytes_ / lim["files_write_s"] / GB
+    add("extra_commit_vs_file_floor", thr, COMMIT_VS_PARALLEL_WRITE_MIN * floor,
+        thr >= COMMIT_VS_PARALLEL_WRITE_MIN * floor,
+        f"(extra) bytes / nxd_ckpt_async commit_s >= {COMMIT_VS_PARALLEL_WRITE_MIN} x {n}-file {workers}-thread "
+        "write + syncfs (GB/s)")
+    bound = LOAD_VS_LIMIT_MAX * (lim["files_read_s"] + lim["h2d_s"])
+    add("extra_load_vs_file_floor", a["load_s"], bound, a["load_s"] <= bound,
+        f"(extra) nxd_ckpt load_s <= {LOAD_VS_LIMIT_MAX} x ({n}-file {workers}-thread read + h2d_s)")
+    bound = lim["files_read_cpu_s_per_gb"] + lim["h2d_cpu_s_per_gb"]
+    add("extra_load_cpu_vs_file_floor", a["load_cpu_s_per_gb"], bound, a["load_cpu_s_per_gb"] <= bound,
+        f"(extra) nxd_ckpt load_cpu_s_per_gb <= {n}-file read + h2d (CPU-s/GB)")
+
+
+def file_floor_text(r: dict) -> str:
+    """One sentence: the per-file floor of this run and how far nxd_ckpt_async is above it ('' if not measured)."""
+    lim, nb, w = r["limits"], r["bytes"], r["config"]["num_workers"]
+    if "files_write_s" not in lim:
+        return ""
+    text = (f"Per-file floor for the same {lim['files_n']} files ({lim['files_source']}): {w} threads "
+            f"os.open/write/close + one syncfs {lim['files_write_s']:.3f} s ({nb / lim['files_write_s'] / GB:.2f} "
+            f"GB/s, {lim['files_write_cpu_s_per_gb']:.2f} CPU-s/GB), read back with os.open/readv/close "
+            f"{lim['files_read_s']:.3f} s ({lim['files_read_cpu_s_per_gb']:.2f} CPU-s/GB)")
+    a = r["methods"].get("nxd_ckpt_async")
+    if a:
+        cpu_floor = lim["d2h_chunked_cpu_s_per_gb"] + lim["files_write_cpu_s_per_gb"]
+        text += (f"; `nxd_ckpt_async` is at {a['cpu_s_per_gb'] / cpu_floor:.2f}x its save CPU (with the chunked "
+                 f"device-to-host copy's {lim['d2h_chunked_cpu_s_per_gb']:.2f} CPU-s/GB), commit "
+                 f"{a['commit_s'] / lim['files_write_s']:.2f}x its write time, load "
+                 f"{a['load_s'] / (lim['files_read_s'] + lim['h2d_s']):.2f}x its read + host-to-device time and "
+                 f"{a['load_cpu_s_per_gb'] / (lim['files_read_cpu_s_per_gb'] + lim['h2d_cpu_s_per_gb']):.2f}x "
+                 "their CPU")
+    return text + "."
 
 
 def _num(x, width=10, digits=3):
@@ -1012,6 +1161,8 @@ def print_table(r: dict) -> None:
         c = v.get("commit_s")
         v = dict(v, **{"GB/s": nb / c / GB if c else None})
         print(f"{name:<32}" + "".join(_num(v.get(k), max(10, len(k) + 1), d) for k, d in cols))
+    if file_floor_text(r):
+        print(file_floor_text(r))
     print(f"train step slowdown during an async save: {r['train_step_slowdown']:.2f}x; host buffers kept between "
           f"saves: {r.get('host_buffer_pool_mb', float('nan')):.0f} MB")
     print("targets:")
@@ -1043,7 +1194,8 @@ def markdown(r: dict) -> str:
               f"{lim['disk_read_parallel_gbps']:.2f} GB/s (one stream: write+fsync {lim['disk_write_gbps']:.2f} GB/s, "
               f"read {lim['disk_read_gbps']:.2f} GB/s). Training step slowdown during an async save: "
               f"{r['train_step_slowdown']:.2f}x. Host buffers kept between saves (`keep_host_buffers`): "
-              f"{r.get('host_buffer_pool_mb', float('nan')):.0f} MB.", "", "| target | value | bound | met |",
+              f"{r.get('host_buffer_pool_mb', float('nan')):.0f} MB. {file_floor_text(r)}".rstrip(), "",
+              "| target | value | bound | met |",
               "|---|---|---|---|"]
     for t in r["targets"].values():
         lines.append(f"| {t['text']} | {t['value']:.3f} | {t['bound']:.3f} | {'yes' if t['met'] else '**no**'} |")

@@ -12,7 +12,8 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 LIMITS = ("d2h_batched_s", "d2h_batched_cpu_s_per_gb", "h2d_s", "disk_write_gbps", "disk_read_gbps",
-          "disk_write_parallel_gbps", "disk_read_parallel_gbps")
+          "disk_write_parallel_gbps", "disk_read_parallel_gbps", "d2h_chunked_cpu_s_per_gb", "h2d_cpu_s_per_gb",
+          "files_write_s", "files_write_cpu_s_per_gb", "files_read_s", "files_read_cpu_s_per_gb")
 METHODS = {
     "nxd_ckpt_async": ("stall_s", "commit_s", "load_s", "host_rss_peak_mb", "cpu_s_per_gb", "stall_cpu_s_per_gb",
                        "load_cpu_s_per_gb"),
@@ -23,7 +24,8 @@ METHODS = {
     "dcp_async": ("stall_s", "commit_s", "cpu_s_per_gb"),
 }
 TARGETS = {"cpu_s_per_gb", "async_stall_vs_d2h", "commit_throughput", "load_vs_limits", "load_vs_xser",
-           "train_step_slowdown", "device_snapshot_stall", "rss_peak", "rss_no_growth"}
+           "train_step_slowdown", "device_snapshot_stall", "rss_peak", "rss_no_growth", "extra_cpu_vs_file_floor",
+           "extra_commit_vs_file_floor", "extra_load_vs_file_floor", "extra_load_cpu_vs_file_floor"}
 
 
 def _sane(value, name, allow_zero=False):
@@ -53,6 +55,9 @@ def test_bench_tiny_run_writes_complete_json(tmp_path):
             # an RSS increase can be 0 when a tiny save fits in memory the process already holds
             _sane(r["methods"][m][k], f"methods.{m}.{k}", allow_zero=k == "host_rss_peak_mb")
     _sane(r["train_step_slowdown"], "train_step_slowdown")
+    # the per-file floor writes the file set of nxd_ckpt's own save: a file per tensor plus its metadata files
+    assert r["limits"]["files_source"] == "nxd_ckpt's first save" and r["limits"]["files_n"] > 20
+    assert r["limits"]["files_bytes"] > r["bytes"]
     g = r["rss_growth"]
     assert g["saves"] == 3 and g["rss_first_mb"] > 0 and g["rss_last_mb"] > 0
     assert g["live_before_mb"] > 0 and g["live_after_mb"] > 0
@@ -105,6 +110,71 @@ def test_bench_reshard_tiny_run_writes_complete_json(tmp_path, fmt="plain"):
         assert r["cases"]["reshard_streamed"]["read_mb_per_rank_max"] > r["cases"]["reshard"]["read_mb_per_rank_max"]
     else:
         assert "reshard_streamed" not in r["cases"]
+
+
+def _bench_module():
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    try:
+        import bench
+    finally:
+        sys.path.pop(0)
+    return bench
+
+
+def test_limit_files_writes_and_reads_back_exactly_that_file_set(tmp_path, monkeypatch):
+    """The per-file floor creates one file of each size (empty ones too), syncs once, reads each back in full
+    into fresh host tensors, and removes its folder."""
+    bench = _bench_module()
+    sizes = [0, 1, 4096, 70_000, (16 << 20) + 3]
+    cache = bench.Cache.__new__(bench.Cache)
+    cache.mode = "posix_fadvise_dontneed"
+    written, read = {}, []
+    real_open, real_readv = os.open, os.readv
+
+    def spy_open(path, flags, *a, **kw):
+        fd = real_open(path, flags, *a, **kw)
+        if os.path.basename(path).startswith("f") and flags & os.O_CREAT:
+            written[path] = fd
+        return fd
+
+    def spy_readv(fd, bufs):
+        n = real_readv(fd, bufs)
+        read.append(n)
+        return n
+
+    monkeypatch.setattr(bench.os, "open", spy_open)
+    monkeypatch.setattr(bench.os, "readv", spy_readv)
+    folder = tmp_path / "floor"
+    out = bench.limit_files(str(folder), sizes, cache, threads=3)
+    assert sorted(os.path.basename(p) for p in written) == [f"f{i}" for i in range(len(sizes))]
+    assert sum(read) == sum(sizes)
+    for k in ("write_s", "write_cpu_s", "read_s", "read_cpu_s"):
+        assert math.isfinite(out[k]) and out[k] >= 0, (k, out)
+    assert out["write_s"] > 0 and out["read_s"] > 0
+    assert not folder.exists()
+
+
+def test_file_floor_sentence_states_the_floor_and_the_ratios():
+    bench = _bench_module()
+    lim = {"files_n": 305, "files_source": "nxd_ckpt's first save", "files_write_s": 0.5, "files_read_s": 0.4,
+           "files_write_cpu_s_per_gb": 0.3, "files_read_cpu_s_per_gb": 0.2, "d2h_chunked_cpu_s_per_gb": 0.2,
+           "h2d_s": 0.1, "h2d_cpu_s_per_gb": 0.05}
+    r = {"bytes": 10 ** 9, "limits": lim, "config": {"num_workers": 8},
+         "methods": {"nxd_ckpt_async": {"cpu_s_per_gb": 0.75, "commit_s": 1.0, "load_s": 1.0,
+                                        "load_cpu_s_per_gb": 0.5}}}
+    assert bench.file_floor_text(r) == (
+        "Per-file floor for the same 305 files (nxd_ckpt's first save): 8 threads os.open/write/close + one syncfs "
+        "0.500 s (2.00 GB/s, 0.30 CPU-s/GB), read back with os.open/readv/close 0.400 s (0.20 CPU-s/GB); "
+        "`nxd_ckpt_async` is at 1.50x its save CPU (with the chunked device-to-host copy's 0.20 CPU-s/GB), commit "
+        "2.00x its write time, load 2.00x its read + host-to-device time and 2.00x their CPU.")
+    targets = {}
+    bench._file_floor_targets(lambda name, v, bound, ok, text: targets.__setitem__(name, (v, bound, ok)),
+                              r["methods"]["nxd_ckpt_async"], lim, r["bytes"], 8)
+    assert targets["extra_cpu_vs_file_floor"] == (0.75, 0.5, False)
+    assert targets["extra_commit_vs_file_floor"] == (1.0, pytest.approx(0.85 * 2.0), False)
+    assert targets["extra_load_vs_file_floor"] == (1.0, pytest.approx(1.2 * 0.5), False)
+    assert targets["extra_load_cpu_vs_file_floor"] == (0.5, pytest.approx(0.25), False)
+    assert bench.file_floor_text({"bytes": 1, "limits": {}, "config": {"num_workers": 8}, "methods": {}}) == ""
 
 
 def test_markdown_of_an_s3_run_prints_its_table(tmp_path, capsys):

@@ -1,0 +1,74 @@
+#!/usr/bin/env python3
+"""A/B of bench.py's ``train_step_slowdown`` by what ran just before it, side by side in one process
+(alternating, medians), on bench.py's state:
+
+- ``kept``: nothing in between (nxd_ckpt keeps its snapshot buffers from the previous save);
+- ``released``: ``nxd_ckpt.release_host_buffers()`` + malloc_trim first (what bench.py's per-method RSS peak
+  step leaves behind), so the measured save allocates and faults fresh host buffers;
+- ``after_peers``: one save of each peer (torch_xla_xser, torch_save, dcp_async) and their rmtree first,
+  nxd_ckpt's buffers kept;
+- ``after_dcp``: one dcp_async save of a host copy and its rmtree first.
+
+Every result is printed in run order too, so a lasting effect (one variant changing every later round) shows.
+
+    python scripts/ab_train.py --size-gb 1 --tensors 300 --rounds 3 --out bench_out/ab_train_1gb.json
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import bench  # noqa: E402
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--size-gb", type=float, default=1.0)
+    p.add_argument("--tensors", type=int, default=300)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--variants", default="kept,released,after_peers")
+    p.add_argument("--dir", default="/tmp/nxd_ckpt_ab_train")
+    p.add_argument("--train-steps", type=int, default=20)
+    p.add_argument("--train-dim", type=int, default=1024)
+    p.add_argument("--num-workers", type=int, default=8)
+    p.add_argument("--out")
+    args = p.parse_args()
+    import nxd_ckpt
+
+    args.state, args.repeat, args.rss_saves = "fp32", 1, 0
+    b = bench.Bench(args)
+    order = []
+
+    def prep(variant: str) -> None:
+        if variant == "released":
+            nxd_ckpt.release_host_buffers()
+            bench.trim_heap()
+        elif variant == "after_peers":
+            for m in ("torch_xla_xser", "torch_save", "dcp_async"):
+                getattr(b, "m_" + m)(check=False)
+        elif variant == "after_dcp":
+            b.m_dcp_async(check=False)
+        b.cleanup()
+
+    def one(variant: str, rnd: int) -> dict:
+        prep(variant)
+        out = b.train_step_slowdown()
+        out["load1"] = os.getloadavg()[0]
+        order.append((rnd, variant, round(out["ratio"], 3), round(out["load1"], 2)))
+        print(f"  round {rnd} {variant}: {out}", flush=True)
+        return out
+
+    res, loads = bench.alternate(tuple(args.variants.split(",")), one, args.rounds)
+    b.cleanup()
+    out = {"bytes": b.bytes, "tensors": args.tensors, "rounds": args.rounds, "load1": loads, "order": order,
+           "median": bench.medians(res), "runs": res}
+    bench.print_json(out, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
