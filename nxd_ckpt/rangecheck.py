@@ -75,15 +75,7 @@ class CheckedRanges:
                 self._kept.move_to_end(r.offset)
                 return kept
         data = self._raw(r.offset, r.length)
-        if len(data) != r.length:
-            raise CorruptCheckpointError(
-                f"{self._where} is truncated: bytes {r.offset}..{r.end} end after {len(data)} "
-                f"bytes{'; ' + self._hint if self._hint else ''}", path=self._where)
-        problem = self._entry.range_mismatch(r, _crc32c.crc32c(data))
-        if problem is not None:
-            raise CorruptCheckpointError(f"{self._where} {problem}{'; ' + self._hint if self._hint else ''}",
-                                         path=self._where, expected=r.crc32c,
-                                         found=f"{_crc32c.crc32c(data):08x}")
+        check_range(self._entry, r, data, self._where, self._hint)
         self._keep(r.offset, data)
         return data
 
@@ -96,6 +88,19 @@ class CheckedRanges:
                 self._kept_bytes += len(data)
             while self._kept_bytes > _KEEP:
                 self._kept_bytes -= len(self._kept.popitem(last=False)[1])
+
+
+def check_range(entry: FileEntry, r: RangeSum, data, where: str, hint: str = "") -> None:
+    """CorruptCheckpointError naming ``where`` unless ``data`` (the bytes read for ``r``) are ``r``'s length and
+    CRC32C."""
+    if len(data) != r.length:
+        raise CorruptCheckpointError(f"{where} is truncated: bytes {r.offset}..{r.end} end after {len(data)} "
+                                     f"bytes{'; ' + hint if hint else ''}", path=where)
+    crc = _crc32c.crc32c(data)
+    problem = entry.range_mismatch(r, crc)
+    if problem is not None:
+        raise CorruptCheckpointError(f"{where} {problem}{'; ' + hint if hint else ''}", path=where,
+                                     expected=r.crc32c, found=f"{crc:08x}")
 
 
 def stream_mismatch(blocks: Iterable[memoryview], entry: FileEntry) -> Optional[str]:

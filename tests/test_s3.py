@@ -570,3 +570,106 @@ def test_a_replicated_plain_shard_is_read_into_one_buffer(s3_url):
         assert sorted(loaded) == sorted(model) and all(torch.equal(loaded[k], model[k]) for k in model)
     reads = sorted(r for rank_reads, _ in out for r in rank_reads)
     assert reads == [("get_into", "dp_rank_00_tp_rank_00_pp_rank_00.pt")], out
+
+
+class _Mixed(__import__("torch").nn.Module):
+    """Parameters and buffers of several dtypes and sizes, one buffer a view sharing a parameter's storage."""
+
+    def __init__(self, seed: int):
+        import torch
+
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.big = torch.nn.ParameterList(torch.randn(1 << 16, generator=g) for _ in range(8))  # 8 x 256 KiB
+        self.mid = torch.nn.Parameter(torch.randn(300, 700, generator=g).to(torch.bfloat16))
+        self.small = torch.nn.Parameter(torch.randn(7, generator=g))
+        self.register_buffer("steps", torch.randint(0, 1 << 40, (5000,), generator=g))
+        self.register_buffer("tail", torch.randn(1 << 17, generator=g).to(torch.float16))
+
+
+def _pipelined_load(url, monkeypatch, seed=0):
+    """Save ``_Mixed`` as a plain shard to ``url``; return the saved CPU state, a fresh model on the XLA device and
+    the event log of a load (each range told to the pipe as ``("landed", end)``, each transfer as ``"h2d"``)."""
+    import nxd_ckpt
+    from nxd_ckpt import plainpipe, reader
+
+    model = _Mixed(seed)
+    nxd_ckpt.save_checkpoint(url, "plain", use_xser=False, model=model)
+    events = []
+    orig_landed, orig_h2d = plainpipe.RecordPipe.landed, reader._to_device
+    monkeypatch.setattr(plainpipe.RecordPipe, "landed",
+                        lambda self, a, b: (events.append(("landed", b)), orig_landed(self, a, b))[1])
+    monkeypatch.setattr(reader, "_to_device", lambda batch, targets: (events.append("h2d") if batch else None,
+                                                                      orig_h2d(batch, targets))[1])
+    monkeypatch.setattr(reader, "PLACE_BATCH_BYTES", 1)     # every landed record's tensors sent at once
+    monkeypatch.setattr(reader, "PIPELINE_PLAIN_SHARDS", True)
+    fresh = _Mixed(seed + 1).to(xla_device())
+    return to_cpu_state(model.state_dict()), fresh, events
+
+
+def test_plain_shard_is_checked_and_sent_to_the_device_as_ranges_land(s3_url, monkeypatch):
+    """A plain shard on S3 whose manifest holds its records' CRC32C: the tensors are built from each range's
+    checked records and sent to the XLA device while the other ranges download; bit-exact (bf16, int64, fp16,
+    a view sharing a parameter's storage), with the same requests as reading it whole (the shard's ranged GETs,
+    no GET more)."""
+    import nxd_ckpt
+    from nxd_ckpt.storage import open_storage, s3
+
+    monkeypatch.setattr(s3, "RANGE_SIZE", 1 << 20)
+    saved, fresh, events = _pipelined_load(s3_url, monkeypatch)
+    storage = open_storage(s3_url)
+    size = storage.size("plain/model/dp_rank_00_tp_rank_00_pp_rank_00.pt")
+    storage.bucket.requests.clear()
+    nxd_ckpt.load_checkpoint(s3_url, tag="plain", model=fresh)
+    assert_bit_equal(to_cpu_state(fresh.state_dict()), saved)
+    assert all(t.device.type == "xla" for t in fresh.state_dict().values())
+    ranges = -(-(size + 1) // (1 << 20))
+    assert storage.bucket.requests == {"head_object": 1, "get_object": 2 + ranges}, storage.bucket.requests
+    assert [e for e in events if e != "h2d"] and len([e for e in events if e != "h2d"]) == ranges, events
+    assert events.count("h2d") >= 2, events
+
+
+def _in_order_get_into(self, key, view, offset=0, on_range=None, step=256 << 10):
+    """MemoryBucket.get_into filling ``view`` in ``step`` pieces, in order, each told as it lands: a download
+    whose ranges arrive one after another."""
+    data = self.get(key, offset, len(view))
+    for a in range(0, len(data), step):
+        b = min(a + step, len(data))
+        view[a:b] = data[a:b]
+        if on_range is not None:
+            on_range(a, b)
+    return len(data)
+
+
+def test_plain_shard_pipeline_sends_early_and_a_late_flipped_byte_applies_nothing(monkeypatch):
+    """Ranges landing in order: the first tensors go to the device before the last range has landed; a flipped
+    byte in the shard's last storage record raises CorruptCheckpointError naming the file, after some tensors
+    were already sent, and the model is unchanged."""
+    import nxd_ckpt
+    from nxd_ckpt.manifest import Manifest
+    from nxd_ckpt.storage import objects, open_storage
+    from nxd_ckpt.storage.testing import enable_test_schemes
+
+    enable_test_schemes()
+    url = "mem://pipe/ck"
+    monkeypatch.setattr(objects.MemoryBucket, "get_into", _in_order_get_into)
+    saved, fresh, events = _pipelined_load(url, monkeypatch, seed=3)
+    nxd_ckpt.load_checkpoint(url, tag="plain", model=fresh)
+    assert_bit_equal(to_cpu_state(fresh.state_dict()), saved)
+    landed = [i for i, e in enumerate(events) if e != "h2d"]
+    assert events.index("h2d") < landed[-1], events
+
+    storage = open_storage(url)
+    rel = "plain/model/dp_rank_00_tp_rank_00_pp_rank_00.pt"
+    manifest = Manifest.from_json(json.loads(storage.read("plain/manifest.json")))
+    last = manifest.files["model/dp_rank_00_tp_rank_00_pp_rank_00.pt"].ranges[-2]      # [-1]: the directory
+    data = bytearray(storage.read(rel))
+    data[last.end - 3] ^= 0x01
+    storage.bucket.corrupt(storage.key(rel), bytes(data))
+    before = to_cpu_state(fresh.state_dict())
+    events.clear()
+    with pytest.raises(nxd_ckpt.CorruptCheckpointError, match="dp_rank_00_tp_rank_00_pp_rank_00.pt") as err:
+        nxd_ckpt.load_checkpoint(url, tag="plain", model=fresh)
+    assert err.value.path.endswith("model/dp_rank_00_tp_rank_00_pp_rank_00.pt"), err.value.path
+    assert "h2d" in events, events
+    assert_bit_equal(to_cpu_state(fresh.state_dict()), before)

@@ -9,7 +9,7 @@ from .errors import CorruptFileError, MissingFileError, UnsafeCheckpointError, X
 from .files import (compact_cpu, info_file, is_compact, read_info, read_tensor, tensor_file, tensor_to_bytes,
                     tensors_dir, write_tensor)
 from .host import is_master, to_cpu
-from .lazy import LazyFile, open_lazy
+from .lazy import LazyFile, open_lazy, unpickle_meta
 from .pickling import REF_PICKLE, RangeFile, ViewReader, dump_refs, load_pickle, load_pickle_in_place
 from .tensorfile import load_tensor_in_place
 from .zipranges import RecordSums
@@ -20,7 +20,7 @@ __all__ = [
     "tensors_dir", "tensor_file", "info_file",
     "write_tensor", "tensor_frame", "tensor_to_bytes", "read_tensor", "read_info", "compact_cpu", "is_compact", "to_cpu",
     "dump_refs", "load_refs", "load_pickle", "load_pickle_in_place", "load_tensor_in_place", "ViewReader", "RangeFile", "save", "load", "is_master",
-    "LazyFile", "open_lazy", "RecordSums",
+    "LazyFile", "open_lazy", "unpickle_meta", "RecordSums",
     "XserError", "MissingFileError", "CorruptFileError", "UnsafeCheckpointError",
     "REF_PICKLE", "TORCH_XLA_MODULE", "TORCH_XLA_NAME",
 ]

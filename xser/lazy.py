@@ -174,12 +174,20 @@ def open_lazy(read: ReadRange, size: int, *, trusted: bool = False, name: str = 
     if f"{prefix}byteorder" in zf.namelist() and \
             _record(zf, f"{prefix}byteorder", read, check_crc32, name).strip() != b"little":
         return None
+    data, storages = unpickle_meta(_record(zf, pkl[0], read, check_crc32, name), trusted=trusted, name=name)
+    return LazyFile(data, name, read, zf, prefix, storages, _check_crc32=check_crc32,
+                    _record_ends=dict(record_ends or {}))
+
+
+def unpickle_meta(pkl, *, trusted: bool = False, name: str = "<file>") -> Tuple[Any, Dict[int, Tuple[str, int]]]:
+    """A ``torch.save`` file's pickle (the bytes of its ``data.pkl`` record) unpickled with every storage left
+    unread: its tensors are on the meta device. Also meta storage (``untyped_storage()._cdata``) -> (record key
+    below ``data/``, bytes). Safely unless ``trusted``; raises xser's errors."""
     storages: Dict[int, Tuple[str, int]] = {}
     with _load_errors(name, trusted), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="TypedStorage is deprecated")   # the pickle names typed storages
-        data = _unpickle(_record(zf, pkl[0], read, check_crc32, name), trusted, storages)
-    return LazyFile(data, name, read, zf, prefix, storages, _check_crc32=check_crc32,
-                    _record_ends=dict(record_ends or {}))
+        data = _unpickle(bytes(pkl), trusted, storages)
+    return data, storages
 
 
 def _record(zf: zipfile.ZipFile, record: str, read: ReadRange, check_crc32: bool, name: str) -> bytes:

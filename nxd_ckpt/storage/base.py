@@ -210,14 +210,19 @@ class Storage(ABC):
     def read_bytes(self, relpath: str) -> bytes:
         return self.read(relpath)
 
-    def read_into(self, relpath: str, view: memoryview, offset: int = 0) -> int:
+    def read_into(self, relpath: str, view: memoryview, offset: int = 0,
+                  on_range: Optional[Callable[[int, int], None]] = None) -> int:
         """Fill ``view`` with the file's bytes from ``offset`` (fewer only at the end of the file); how many were
         read. Where the backend has local files they go straight into ``view``, with no bytes object between.
+        ``on_range(start, end)``: told of each filled span of ``view`` as it is complete (an object store's
+        ranged GETs, from their threads; here once, at the end), so a reader can use it while the rest arrives.
         FileNotFoundError."""
         local = self.local_path(relpath)
         if local is None:
             data = self.read(relpath, offset, len(view))
             view[:len(data)] = data
+            if on_range is not None:
+                on_range(0, len(data))
             return len(data)
         fd = os.open(local, os.O_RDONLY)
         try:
@@ -227,6 +232,8 @@ class Storage(ABC):
                 if n <= 0:
                     break
                 got += n
+            if on_range is not None:
+                on_range(0, got)
             return got
         finally:
             os.close(fd)

@@ -14,7 +14,7 @@ import threading
 import time
 import urllib.parse
 from abc import ABC, abstractmethod
-from typing import Dict, Iterable, List, Optional, Tuple
+from typing import Callable, Dict, Iterable, List, Optional, Tuple
 
 from .base import AlreadyExistsError, Capabilities, FileRecord, Sink, Stat, Storage
 
@@ -32,11 +32,15 @@ class Bucket(ABC):
     def get(self, key: str, offset: int = 0, length: Optional[int] = None) -> bytes:
         """FileNotFoundError when the key does not exist."""
 
-    def get_into(self, key: str, view: memoryview, offset: int = 0) -> int:
+    def get_into(self, key: str, view: memoryview, offset: int = 0,
+                 on_range: Optional[Callable[[int, int], None]] = None) -> int:
         """Fill ``view`` with the object's bytes from ``offset`` (fewer only at its end); how many were filled.
+        ``on_range(start, end)``: told of each span of ``view`` once it is filled (``Storage.read_into``).
         FileNotFoundError when the key does not exist. Default: ``get``, then one copy into ``view``."""
         data = self.get(key, offset, len(view))
         view[:len(data)] = data
+        if on_range is not None:
+            on_range(0, len(data))
         return len(data)
 
     @abstractmethod
@@ -112,8 +116,9 @@ class ObjectStorage(Storage):
     def read(self, relpath: str, offset: int = 0, length: Optional[int] = None) -> bytes:
         return self.bucket.get(self.key(relpath), offset, length)
 
-    def read_into(self, relpath: str, view: memoryview, offset: int = 0) -> int:
-        return self.bucket.get_into(self.key(relpath), view, offset)
+    def read_into(self, relpath: str, view: memoryview, offset: int = 0,
+                  on_range: Optional[Callable[[int, int], None]] = None) -> int:
+        return self.bucket.get_into(self.key(relpath), view, offset, on_range)
 
     def _entries(self, prefix: str, first_only: bool = False) -> List[Tuple[str, Stat]]:
         out: List[Tuple[str, Stat]] = []

@@ -196,10 +196,12 @@ class S3Bucket(Bucket):
         except _transient_errors():
             return self._read_body(key, Range=rng)
 
-    def get_into(self, key: str, view: memoryview, offset: int = 0) -> int:
+    def get_into(self, key: str, view: memoryview, offset: int = 0,
+                 on_range: Optional[Callable[[int, int], None]] = None) -> int:
         """Parallel ranged GETs of RANGE_SIZE, each response body read straight into its slice of ``view`` (no
         bytes object per range, no join): the first range's Content-Range names the object's size (no HEAD),
-        the others are requested as soon as its headers arrive. A body dropped midway is fetched again."""
+        the others are requested as soon as its headers arrive. A body dropped midway is fetched again.
+        ``on_range(start, end)`` is called (from the thread that read it) as each range of ``view`` is filled."""
         view = memoryview(view).cast("B")
         if not len(view):
             return 0
@@ -210,22 +212,30 @@ class S3Bucket(Bucket):
             return 0                    # an empty object, or offset at or past the end
         size = int(resp["ContentRange"].rsplit("/", 1)[1])
         total = max(0, min(len(view), size - offset))
-        futures = [self._pool.submit(self._range_into, key, view[a:min(a + RANGE_SIZE, total)], offset + a)
+        futures = [self._pool.submit(self._range_into, key, view, a, min(a + RANGE_SIZE, total), offset, on_range)
                    for a in range(first, total, RANGE_SIZE)]
         head = view[:min(first, total)]
         try:
             _body_into(resp["Body"], head)
         except _transient_errors():
-            self._range_into(key, head, offset)
+            self._range_into(key, view, 0, len(head), offset)
+        if on_range is not None:
+            on_range(0, len(head))
         for f in futures:
             f.result()
         return total
 
-    def _range_into(self, key: str, view: memoryview, offset: int) -> None:
-        def get_and_fill(client, **args):   # the body is read inside the retried call, as in _read_body
-            _body_into(client.get_object(**args)["Body"], view)
+    def _range_into(self, key: str, view: memoryview, start: int, end: int, offset: int,
+                    on_range: Optional[Callable[[int, int], None]] = None) -> None:
+        """``view[start:end]`` from the object's bytes at ``offset + start``."""
+        part = view[start:end]
 
-        self.call("get_object", key, fn=get_and_fill, Key=key, Range=f"bytes={offset}-{offset + len(view) - 1}")
+        def get_and_fill(client, **args):   # the body is read inside the retried call, as in _read_body
+            _body_into(client.get_object(**args)["Body"], part)
+
+        self.call("get_object", key, fn=get_and_fill, Key=key, Range=f"bytes={offset + start}-{offset + end - 1}")
+        if on_range is not None:
+            on_range(start, end)
 
     def head(self, key: str) -> Stat:
         resp = self.call("head_object", key, Key=key)

@@ -1,0 +1,80 @@
+#!/usr/bin/env python3
+"""A/B of the S3 load of one plain (non-xser) shard, side by side in one process (alternating, medians), on
+bench.py's state saved once with nxd_ckpt (use_xser=False), loaded into a dict of XLA tensors:
+
+- ``pipelined``: records checked and tensors sent to the device as the ranged GETs land (``read_plain_pipelined``);
+- ``whole``: the whole file downloaded into one buffer, checked, unpickled in place, then sent (what it was).
+
+Each round also times one host-to-device transfer of the state's host copy (``h2d_s``), for the saving per GB
+of host-to-device work. The endpoint and credentials come from the AWS environment (``AWS_ENDPOINT_URL``).
+
+    python scripts/ab_s3load.py --dir s3://bench/ab --size-gb 0.25 --tensors 100 --rounds 6 --out bench_out/x.json
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import bench  # noqa: E402
+
+
+def _cpu() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--dir", required=True)
+    p.add_argument("--size-gb", type=float, default=0.25)
+    p.add_argument("--tensors", type=int, default=100)
+    p.add_argument("--rounds", type=int, default=6)
+    p.add_argument("--out")
+    args = p.parse_args()
+    import torch_xla.core.xla_model as xm
+
+    import nxd_ckpt
+    from nxd_ckpt import reader
+
+    dev = bench.device()
+    model, _, _ = bench.build_state(int(args.size_gb * 1e9), args.tensors, dev, "fp32")
+    nxd_ckpt.save_checkpoint(args.dir, "t", model=model, use_xser=False)
+    nxd_ckpt.release_host_buffers()
+    nbytes = bench.nbytes(model)
+    host = {k: v.cpu() for k, v in model.items()}
+    default = reader.PIPELINE_PLAIN_SHARDS
+
+    def one(variant: str, _round: int) -> dict:
+        reader.PIPELINE_PLAIN_SHARDS = variant == "pipelined"
+        t0 = time.perf_counter()
+        xm.send_cpu_data_to_device(list(host.values()), dev)
+        bench.wait_device()
+        h2d = time.perf_counter() - t0
+        target = dict(model)
+        bench.trim_heap()
+        c0, t0 = _cpu(), time.perf_counter()
+        nxd_ckpt.load_checkpoint(args.dir, "t", model=target)
+        bench.wait_device()
+        wall, cpu = time.perf_counter() - t0, _cpu() - c0
+        return {"load_s": wall, "load_cpu_s": cpu, "h2d_s": h2d}
+
+    res, loads = bench.alternate(("pipelined", "whole"), one, args.rounds)
+    reader.PIPELINE_PLAIN_SHARDS = default
+    med = bench.medians(res)
+    saved = med["whole"]["load_s"] - med["pipelined"]["load_s"]
+    out = {"bytes": nbytes, "tensors": args.tensors, "rounds": args.rounds, "load1": loads, "median": med,
+           "runs": res, "saved_s": saved, "saved_s_per_gb_h2d": saved / (nbytes / 1e9),
+           "h2d_s_per_gb": statistics.median([r["h2d_s"] for v in res.values() for r in v]) / (nbytes / 1e9)}
+    bench.print_json(out, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
