@@ -78,30 +78,36 @@ class HostLease:
 
     A snapshot chunk takes one lease and hands a ``part`` of it to each file it feeds to the writers; each
     part is released when its file is written or dropped, and what the chunk did not hand out is released
-    when its ``with`` block ends (a failed copy never leaks budget)."""
+    when its ``with`` block ends (a failed copy never leaks budget). A save holds one part per file
+    (thousands), so a part is one small object: it shares its chunk's lock and keeps its callback's
+    argument instead of a closure (fewer objects for the garbage collector to track)."""
+
+    __slots__ = ("_budget", "_lock", "nbytes", "waited_s", "_on_release", "_arg")
 
     def __init__(self, budget: Optional[HostBudget], nbytes: int, waited_s: float = 0.0,
-                 on_release: Optional[Callable[[], None]] = None):
+                 on_release: Optional[Callable] = None, arg=None, lock: Optional[threading.Lock] = None):
         self._budget = budget
-        self._lock = threading.Lock()
+        self._lock = lock if lock is not None else threading.Lock()
         self.nbytes = int(nbytes)
         self.waited_s = waited_s
         self._on_release = on_release
+        self._arg = arg
 
-    def part(self, nbytes: int, on_release: Optional[Callable[[], None]] = None) -> "HostLease":
-        """Move ``nbytes`` (at most what is left) of this lease to a new lease; ``on_release`` runs once
+    def part(self, nbytes: int, on_release: Optional[Callable] = None, arg=None) -> "HostLease":
+        """Move ``nbytes`` (at most what is left) of this lease to a new lease; ``on_release(arg)`` runs once
         when that lease is released (it gives the file's buffers back to the pool)."""
         with self._lock:
             moved = min(int(nbytes), self.nbytes)
             self.nbytes -= moved
-        return HostLease(self._budget, moved, on_release=on_release)
+        return HostLease(self._budget, moved, 0.0, on_release, arg, self._lock)
 
     def release(self) -> None:
         with self._lock:
             nbytes, self.nbytes = self.nbytes, 0
             on_release, self._on_release = self._on_release, None
+            arg, self._arg = self._arg, None
         if on_release is not None:
-            on_release()
+            on_release(arg)
         if nbytes and self._budget is not None:
             self._budget._give_back(nbytes)
 
