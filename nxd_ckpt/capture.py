@@ -15,6 +15,7 @@ import xser
 
 from . import layout, masters, zero1_dcp
 from .errors import CheckpointArgumentError
+from .manifest import info_entry
 from .storage import check_location
 from .plan import DcpPart, SavePlan, model_filename, optim_filename, partition_info, plan_shard, replica_groups
 from .world import World
@@ -109,20 +110,10 @@ def tensor_meta(tensors: List[torch.Tensor], paths: Dict[int, str], attrs: Dict[
 def info_bytes(meta: Dict[int, dict]) -> bytes:
     """NxD's ``.info.pt``: {tid: {dtype, shape, expert_model_parallel}} plus the partition attributes, from
     the tensor_meta captured at call time (so it can be built by a writer thread, off the caller's stall)."""
-    info = {}
-    for tid, m in meta.items():
-        entry = {"dtype": getattr(torch, m["dtype"]), "shape": torch.Size(m["shape"]),
-                 "expert_model_parallel": bool(m.get("expert_model_parallel", False))}
-        for k in _PARTITION_KEYS:
-            if k in m:
-                entry[k] = m[k]
-        info[tid] = entry
+    info = {tid: info_entry(m["dtype"], m["shape"], m) for tid, m in meta.items()}
     buf = io.BytesIO()
     torch.save(info, buf, pickle_module=xser.REF_PICKLE)     # its fast path: no persistent_id per object
     return buf.getvalue()
-
-
-_PARTITION_KEYS = ("tensor_model_parallel", "partition_dim", "partition_stride")
 
 
 def build_plan(world: World, model, optimizer, scheduler, user_content, use_xser: bool,

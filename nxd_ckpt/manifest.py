@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Dict, Optional, Tuple
 
 import crc32c as _crc32c
+import torch
 
 from . import layout
 from ._version import __version__
@@ -124,6 +125,27 @@ class TensorMeta:
 
     def to_json(self) -> dict:
         return {"dtype": self.dtype, "shape": list(self.shape), "key": self.key, **self.attrs}
+
+
+#: The partition attributes an ``.info.pt`` entry carries besides dtype, shape and expert_model_parallel (NxD's).
+INFO_ATTRS = ("tensor_model_parallel", "partition_dim", "partition_stride")
+
+
+def info_entry(dtype: str, shape, attrs) -> Optional[dict]:
+    """NxD's ``.info.pt`` entry of one tensor ({dtype, shape, expert_model_parallel, partition attributes})
+    from what the manifest records of it: its dtype name, shape and attributes (a TensorMeta's ``attrs``, or a
+    whole tensor_meta dict). The one place that builds it: the save's ``.info.pt``, the offline tools' and the
+    load's view of a manifest must hold the same entries, in the same key order (the same pickle bytes).
+    None for a dtype name this torch does not know."""
+    torch_dtype = getattr(torch, dtype, None)
+    if not isinstance(torch_dtype, torch.dtype):
+        return None
+    entry = {"dtype": torch_dtype, "shape": torch.Size(shape),
+             "expert_model_parallel": bool(attrs.get("expert_model_parallel", False))}
+    for k in INFO_ATTRS:
+        if k in attrs:
+            entry[k] = attrs[k]
+    return entry
 
 
 @dataclass(frozen=True)

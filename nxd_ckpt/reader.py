@@ -27,7 +27,7 @@ import xser
 
 from . import hostgroups, layout, plainpipe, rangecheck
 from .errors import CorruptCheckpointError, UnsafeCheckpointError
-from .manifest import FileEntry, Manifest
+from .manifest import FileEntry, Manifest, info_entry
 from .plan import assign_to_bins
 from .storage import Storage
 from .storage.base import READ_BLOCK, LocalFile, crc_hex
@@ -505,10 +505,6 @@ def read_shard(reader: FileReader, relpath: str, replicas: List[int], rank: int,
     return ShardRead(relpath, ref_data, tids, owner_of, info, tensors, list(replicas), group_of, absent=absent)
 
 
-#: The partition attributes an ``.info.pt`` entry carries besides dtype, shape and expert_model_parallel (NxD's).
-_INFO_ATTRS = ("tensor_model_parallel", "partition_dim", "partition_stride")
-
-
 def shard_info(reader: FileReader, relpath: str, tids: List[int]) -> Optional[dict]:
     """The shard's tensor metadata as its ``.info.pt`` holds it ({tid: {dtype, shape, expert_model_parallel,
     partition attributes}}): from the manifest when it records the dtype and shape of every tensor of ``tids``
@@ -523,19 +519,16 @@ def shard_info(reader: FileReader, relpath: str, tids: List[int]) -> Optional[di
 
 
 def _info_from_manifest(manifest: Optional[Manifest], relpath: str) -> Optional[dict]:
-    """``.info.pt``'s entries (as ``capture.info_bytes`` writes them) from the manifest's tensor records of the
-    shard; None when it has none, or one the file would say better (an unknown dtype name)."""
+    """``.info.pt``'s entries (``manifest.info_entry``, as the save writes them) from the manifest's tensor
+    records of the shard; None when it has none, or one the file would say better (an unknown dtype name)."""
     meta = manifest.tensors.get(relpath) if manifest is not None else None
     if not meta:
         return None
     info = {}
     for tid, m in meta.items():
-        dtype = getattr(torch, m.dtype, None)
-        if not isinstance(dtype, torch.dtype) or not tid.isdigit():
+        entry = info_entry(m.dtype, m.shape, m.attrs)
+        if entry is None or not tid.isdigit():
             return None
-        entry = {"dtype": dtype, "shape": torch.Size(m.shape),
-                 "expert_model_parallel": bool(m.attrs.get("expert_model_parallel", False))}
-        entry.update((k, m.attrs[k]) for k in _INFO_ATTRS if k in m.attrs)
         info[int(tid)] = entry
     return info
 

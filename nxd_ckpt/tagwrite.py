@@ -112,10 +112,7 @@ class _Writer:
         self.records[rel] = self.store.write_file(rel, produce, durable=False)
 
     def ref_file(self, f: _File) -> None:
-        info = {tid: {"dtype": getattr(torch, m["dtype"]), "shape": torch.Size(m["shape"]),
-                      "expert_model_parallel": bool(m.get("expert_model_parallel")),
-                      **{k: m[k] for k in ("tensor_model_parallel", "partition_dim", "partition_stride") if k in m}}
-                for tid, m in sorted(f.meta.items())}
+        info = {tid: manifest_mod.info_entry(m["dtype"], m["shape"], m) for tid, m in sorted(f.meta.items())}
         self.small(layout.info_path(f.rel), lambda fo: torch.save(info, fo))
         self.small(f.rel, lambda fo: xser.dump_refs(f.data, fo))
         self.tensors[f.rel] = {str(tid): m for tid, m in sorted(f.meta.items())}

@@ -758,8 +758,7 @@ def _convert_xser(groups: List[Group], g_in: int, full_in: bool, g_out: int, ful
                 written.setdefault(out_rel, {})[tid] = (str(t.dtype).replace("torch.", ""), list(t.shape))
         for out_rel in grp.out_rels:
             metas = written.get(out_rel, {})
-            info = {tid: {"dtype": getattr(torch, d), "shape": torch.Size(shape), "expert_model_parallel": False}
-                    for tid, (d, shape) in sorted(metas.items())}
+            info = {tid: manifest_mod.info_entry(d, shape, {}) for tid, (d, shape) in sorted(metas.items())}
             records[layout.info_path(out_rel)] = out.write_file(
                 layout.info_path(out_rel), lambda f, info=info: torch.save(info, f), durable=False)
             records[out_rel] = out.write_file(out_rel, lambda f, r=ref_data: xser.dump_refs(r, f),

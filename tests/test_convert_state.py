@@ -496,3 +496,29 @@ def test_to_dcp_logs_a_failed_writeback_hint_and_still_writes(tmp_path, monkeypa
     distcp = [n for n in os.listdir(tmp_path / "d") if n.endswith(".distcp")]
     assert len(failed) == len(distcp) > 0 and all("EIO from the hint" in m for m in failed)
     assert (tmp_path / "d" / ".metadata").is_file() and (tmp_path / "d" / "done").exists()
+
+
+def test_info_from_the_manifest_equals_each_info_file(tmp_path):
+    """A load builds a shard's .info.pt entries from the manifest (reader.shard_info, no file read): for a tag the
+    offline tools write (partitioned, strided and replicated tensors of several dtypes, ZeRO-1 optimizer shards)
+    they equal what each .info.pt file holds, entry for entry."""
+    from nxd_ckpt import layout, manifest, reader
+    from nxd_ckpt.storage.local import LocalStorage
+
+    state, _ = full_state()
+    dtypes = [torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.bool]
+    state.model = [TensorSource(t.name, t.shape, dtypes[i % len(dtypes)], t.partition,
+                                lambda t=t, d=dtypes[i % len(dtypes)]: t.checked().to(d))
+                   for i, t in enumerate(state.model)]
+    write_tag(state, str(tmp_path / "a"), TagSizes(2, 1, 2, True), converted_from={})
+    man = manifest.read(str(tmp_path / "a"))
+    rd = reader.FileReader(LocalStorage(str(tmp_path / "a")), "", man)
+    checked = 0
+    for rel in man.tensors:
+        from_file = torch.load(tmp_path / "a" / layout.info_path(rel), weights_only=True)
+        from_manifest = reader.shard_info(rd, rel, sorted(from_file))
+        assert from_manifest == from_file, rel
+        assert [list(e) for e in from_manifest.values()] == [list(e) for e in from_file.values()], rel
+        checked += 1
+    kinds = {(e["dtype"], "partition_stride" in e) for rel in man.tensors for e in reader.shard_info(rd, rel, []).values()}
+    assert checked == 6 and {d for d, _ in kinds} >= set(dtypes) and (torch.bfloat16, True) in kinds, kinds
