@@ -11,7 +11,10 @@ the same tensors; before every save and every load the page cache is written bac
 
 - limits: one batched device-to-host copy of all tensors (``torch_xla._XLAC._xla_get_cpu_tensors``, with its
   CPU time per GB), one batched host-to-device copy (``xm.send_cpu_data_to_device``), write+fsync and read of
-  the same bytes as 64 files by ``--num-workers`` threads, and as one file in 64 MiB blocks, in ``--dir``;
+  the same bytes as 64 files by ``--num-workers`` threads, and as one file in 64 MiB blocks, in ``--dir``; and
+  the per-file floor of nxd_ckpt's own file set (``limit_files``: as many files of the same sizes, written by
+  ``--num-workers`` threads with os.open/os.write/os.close + one syncfs, read back with os.open/os.readv/os.close;
+  wall and CPU), against which the (extra) targets put nxd_ckpt's save CPU, commit and load;
 - nxd_ckpt async (host snapshot), async with ``device_snapshot=True``, and sync: stall (call to return), commit
   (call to ``done`` being durable, from ``nxd_ckpt.save_stats()``) and load (``load_checkpoint`` into XLA
   tensors, until the device holds them); host RSS peak above the pre-save RSS;
@@ -22,7 +25,8 @@ the same tensors; before every save and every load the page cache is written bac
   The peers' host copies use the same routine as nxd_ckpt (``nxd_ckpt.staging.copy_to_host``);
 - cpu_s_per_gb, for every method: process CPU time (all threads, user + system) from the call to commit, per GB;
 - train_step_slowdown: median step time of a small XLA training loop (matmuls, each step synced) while an async
-  save runs in the background, over the median step time without;
+  save runs in the background, over the median step time without (after the rounds, before the RSS peaks,
+  which release nxd_ckpt's kept host buffers); each run also reports the save's own CPU and page faults;
 - RSS after each of ``--rss-saves`` consecutive async saves (first vs last).
 
 Writes JSON (``--out``) and prints a table and a verdict per target (issue 13's targets; the 1-minute load
