@@ -107,3 +107,25 @@ def test_add_many_queues_in_order_and_wakes_a_waiting_writer(tmp_path):
     reader.join(timeout=10)
     assert not reader.is_alive()
     assert got == ["a0", "a1", "a2", "b", "c0", "c1"]
+
+
+def test_add_many_wakes_every_writer_already_waiting():
+    """Writers blocked on the empty queue are all woken by one add_many (nothing else is queued after it, so a
+    missing or single wake-up leaves a writer asleep with a task waiting)."""
+    import threading
+    import time
+
+    q = TaskQueue()
+    got = []
+    writers = [threading.Thread(target=lambda: got.append(next(iter(q)).relpath), daemon=True) for _ in range(3)]
+    for w in writers:
+        w.start()
+    deadline = time.monotonic() + 30
+    while len(q._q.not_empty._waiters) < 3:        # every writer blocked in get()
+        assert time.monotonic() < deadline, "the writers never blocked on the empty queue"
+        time.sleep(0.01)
+    q.add_many([bytes_task(f"a{i}", b"x") for i in range(3)])
+    for w in writers:
+        w.join(timeout=10)
+    assert not any(w.is_alive() for w in writers), got
+    assert sorted(got) == ["a0", "a1", "a2"]
