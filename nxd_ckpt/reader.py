@@ -319,7 +319,8 @@ class FileReader:
 
 #: Whether a large plain shard on an object store is used while it downloads (``read_plain_pipelined``: records
 #: checked and tensors sent to the device as each ranged GET lands) instead of after (``read_pickle_bytes``).
-#: Off: on the 2-core loopback test machine it saved no time and cost ~0.18 CPU-s per 0.25 GB (README, S3).
+#: Off: on the 2-core loopback test machine it did not pay consistently (A/B runs from 0.3 s faster to 0.5 s slower
+#: per 0.25 GB, README "S3"); to be measured again on Trainium against S3 (``scripts/ab_s3load.py``).
 PIPELINE_PLAIN_SHARDS = False
 
 #: Smaller tensor files (Adam's ``step``, biases) are read into memory: a mapping is not worth it, and
