@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import resource
 import shutil
 import sys
 import time
@@ -21,11 +20,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import bench  # noqa: E402
-
-
-def _cpu() -> float:
-    r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime + r.ru_stime
 
 
 def main() -> int:
@@ -58,12 +52,12 @@ def main() -> int:
         opt = bench.replace_tensors(optim, iter(bench.tensors_of(optim))) if optim is not None else None
         bench.trim_heap()
         cache.drop(args.dir)
-        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-        c0, t0 = _cpu(), time.perf_counter()
+        faults = bench.minor_faults()
+        c0, t0 = bench.cpu_time(), time.perf_counter()
         nxd_ckpt.load_checkpoint(args.dir, "t", model=target, optimizer=opt)
         bench.wait_device()
-        wall, cpu = time.perf_counter() - t0, _cpu() - c0
-        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
+        wall, cpu = time.perf_counter() - t0, bench.cpu_time() - c0
+        faults = bench.minor_faults() - faults
         return {"load_s": wall, "load_cpu_s_per_gb": cpu / (nbytes / 1e9), "page_faults_mb": faults * 4096 / 2 ** 20}
 
     res, loads = bench.alternate(variants, one, args.rounds)

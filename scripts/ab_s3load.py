@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import resource
 import statistics
 import sys
 import time
@@ -25,11 +24,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import bench  # noqa: E402
-
-
-def _cpu() -> float:
-    r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime + r.ru_stime
 
 
 def main() -> int:
@@ -63,10 +57,10 @@ def main() -> int:
         h2d = time.perf_counter() - t0
         target = dict(model)
         bench.trim_heap()
-        c0, t0 = _cpu(), time.perf_counter()
+        c0, t0 = bench.cpu_time(), time.perf_counter()
         nxd_ckpt.load_checkpoint(args.dir, "t", model=target)
         bench.wait_device()
-        wall, cpu = time.perf_counter() - t0, _cpu() - c0
+        wall, cpu = time.perf_counter() - t0, bench.cpu_time() - c0
         return {"load_s": wall, "load_cpu_s": cpu, "h2d_s": h2d}
 
     res, loads = bench.alternate(tuple(args.variants.split(",")), one, args.rounds)

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import resource
 import shutil
 import sys
 import time
@@ -52,11 +51,6 @@ def _set_lever(lever: str, variant: str) -> None:
 
 
 _BODY = None
-
-
-def _cpu() -> float:
-    r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime + r.ru_stime
 
 
 def _old_copy(tensors, pool=None):
@@ -107,14 +101,14 @@ def main() -> int:
         shutil.rmtree(args.dir, ignore_errors=True)
         os.makedirs(args.dir)
         bench.trim_heap()
-        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-        c0, t0 = _cpu(), time.perf_counter()
+        faults = bench.minor_faults()
+        c0, t0 = bench.cpu_time(), time.perf_counter()
         nxd_ckpt.save_checkpoint(args.dir, f"t{i}", async_save=True, **kw)
-        stall, c_stall = time.perf_counter() - t0, _cpu() - c0
-        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
+        stall, c_stall = time.perf_counter() - t0, bench.cpu_time() - c0
+        faults = bench.minor_faults() - faults
         nxd_ckpt.finalize_checkpoint()
         gb = nbytes / 1e9
-        return {"stall_s": stall, "commit_s": nxd_ckpt.save_stats()[-1]["commit_s"], "cpu_s_per_gb": (_cpu() - c0) / gb,
+        return {"stall_s": stall, "commit_s": nxd_ckpt.save_stats()[-1]["commit_s"], "cpu_s_per_gb": (bench.cpu_time() - c0) / gb,
                 "stall_cpu_s_per_gb": c_stall / gb, "stall_faults_mb": faults * 4096 / 2 ** 20}
 
     res, loads = bench.alternate(variants, one, args.rounds)
