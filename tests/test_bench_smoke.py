@@ -180,11 +180,7 @@ def test_file_floor_sentence_states_the_floor_and_the_ratios():
 def test_markdown_of_an_s3_run_prints_its_table(tmp_path, capsys):
     """``bench.py --markdown`` of an S3 run's JSON (no limits, targets as [name, value, bound]) prints the S3
     table, the targets and the request counts, instead of failing on the POSIX run's keys."""
-    sys.path.insert(0, os.path.join(ROOT, "scripts"))
-    try:
-        import bench
-    finally:
-        sys.path.pop(0)
+    bench = _bench_module()
     r = {"bytes": 250_000_000, "dir": "s3://b/ck", "rounds": [{"loadavg_1min": 1.5}, {"loadavg_1min": 2.0}],
          "median": {"save_s": 1.5, "load_s": 1.25, "peer_upload_s": 2.0, "peer_download_s": 4.0},
          "save_gbps": 0.1667, "load_gbps": 0.2, "peer_upload_gbps": 0.125, "peer_download_gbps": 0.0625,
