@@ -294,6 +294,9 @@ def test_server_that_stops_answering_fails_both_ranks(fault_proxy):
     assert not open_storage(url).isfile("stuck/done")
 
 
+STUCK_LOAD_TIMEOUT_S = 8
+
+
 def _stuck_load_rank(rank, world, url, tag, timeout_s):
     import nxd_ckpt
     import parallel_state as ps
@@ -320,18 +323,20 @@ def test_server_that_stops_answering_fails_a_two_rank_load_on_both_ranks(fault_p
     proxy, url = fault_proxy
     nxd_ckpt.save_checkpoint(url, "good", use_xser=True, model=TinyShard())
     proxy.blackhole(True, only)
-    out = run_ranks(_stuck_load_rank, 2, url, tag, 3, timeout=120,
+    # 8 s cover the whole load: at load average 15+ a 3 s deadline could expire on rank 0 before it reached the
+    # blackholed request, and the test then saw an earlier request's timeout instead of the one it is about.
+    out = run_ranks(_stuck_load_rank, 2, url, tag, STUCK_LOAD_TIMEOUT_S, timeout=120,
                     env={**S3_ENV, "AWS_ENDPOINT_URL_S3": proxy.endpoint})
     messages = "\n".join(o[1] for o in out)
     assert [o[0] for o in out] == ["RankFailureError"] * 2, out
     assert all("S3 " in o[1] and url.split("/")[2] in o[1] for o in out), messages
     assert all("Nothing was changed on this rank" in o[1] for o in out), messages
     # Only rank 0's requests hang: rank 1 raises rank 0's cause. (Reading its own files, rank 1 may also reach
-    # its own deadline first on a loaded machine: the 3 s cover the whole load. It then raises that S3 cause.)
+    # its own deadline first on a loaded machine: the deadline covers the whole load. It then raises that S3 cause.)
     what = "tensor_0.pt" if only == b"tensor_0.pt" else "list_objects_v2"
     assert what in out[0][1], messages
     assert ("rank 0 could not read the checkpoint" in out[1][1] and what in out[1][1]) or (
-        only == b"tensor_0.pt" and "did not succeed within 3s" in out[1][1]), messages
+        only == b"tensor_0.pt" and f"did not succeed within {STUCK_LOAD_TIMEOUT_S}s" in out[1][1]), messages
     last_attempt, deadline = out[0][2], out[0][3]
     assert last_attempt is not None and last_attempt < deadline, out
     for last_attempt, deadline in (o[2:] for o in out[1:]):
