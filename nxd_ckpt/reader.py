@@ -515,8 +515,7 @@ def shard_info(reader: FileReader, relpath: str, tids: List[int]) -> Optional[di
     info = _info_from_manifest(reader.manifest, relpath)
     if info is not None and all(t in info for t in tids):
         return info
-    rel = layout.info_path(relpath)
-    return reader.load_pickle(rel) if reader.exists(rel) else None
+    return reader.info(relpath)
 
 
 def _info_from_manifest(manifest: Optional[Manifest], relpath: str) -> Optional[dict]:

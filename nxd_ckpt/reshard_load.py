@@ -132,8 +132,8 @@ class SourceShard:
         meta = manifest.tensors.get(relpath) if manifest is not None else None
         # the same shape as an .info.pt entry
         self.meta: Dict[int, dict] = {int(t): m.to_json() for t, m in meta.items()} if meta else {}
-        if not self.meta and reader.exists(layout.info_path(relpath)):
-            self.meta = {int(t): dict(m) for t, m in reader.load_pickle(layout.info_path(relpath)).items()}
+        if not self.meta:
+            self.meta = {int(t): dict(m) for t, m in (reader.info(relpath) or {}).items()}
 
     def load(self, obj) -> torch.Tensor:
         if isinstance(obj, xser.TensorReference):
