@@ -321,6 +321,25 @@ def test_damage_read_by_one_replica_raises_on_both(tmp_path, backend):
         assert_bit_equal(states["a"]["optim"], state["optim"], "optim")
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_rank0s_manifest_error_raises_on_every_rank(tmp_path, backend):
+    """Only rank 0 reads the manifest (loader.agreed_manifest) and shares it: when it is lost, rank 1, which
+    never reads it, raises the same damage (named file), nothing changes on either rank, and tag=None moves on to
+    the older tag on both, bit for bit."""
+    from harness import run_ranks
+
+    root = root_for(backend, tmp_path)
+    states = run_ranks(_save_two_dp2, 2, root, timeout=120)[0]
+    remove(root, "b/manifest.json")
+    results = run_ranks(_load_damaged_dp2, 2, root, timeout=120)
+    raised = [r[0] for r in results]
+    assert raised[0] is not None and raised[0] == raised[1], raised
+    assert raised[0][0] == "b/manifest.json", raised
+    for _, state in results:
+        assert_bit_equal(states["a"]["model"], state["model"], "model")
+        assert_bit_equal(states["a"]["optim"], state["optim"], "optim")
+
+
 def test_nxd_dcp_optimizer_with_unreadable_metadata_is_damage(tmp_path):
     """NxD's use_zero1_dcp=True writes optim/ as a torch.distributed.checkpoint (test_zero1_dcp.py loads real
     ones): an unreadable .metadata is named as the damage; the model alone still loads."""
