@@ -373,6 +373,36 @@ def limit_disk(path: str, total: int, cache: Cache):
     return write_s, read_s
 
 
+def _write_file(path: str, size: int, block: memoryview, fsync: bool) -> None:
+    """Create ``path`` and write ``size`` bytes from ``block`` (repeated) with bare os calls; fsync if asked."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        left = size
+        while left > 0:
+            left -= os.write(fd, block[:min(left, len(block))])
+        if fsync:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _read_file(path: str, size: int) -> torch.Tensor:
+    """``size`` bytes of ``path`` read with os.readv into a fresh host tensor."""
+    out = torch.empty(size, dtype=torch.uint8)
+    view = memoryview(out.numpy())
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        got = 0
+        while got < size:
+            n = os.readv(fd, [view[got:]])
+            if not n:
+                break
+            got += n
+    finally:
+        os.close(fd)
+    return out
+
+
 def limit_disk_parallel(folder: str, total: int, cache: Cache, threads: int, files: int = 64):
     """Write ``total`` bytes as ``files`` files from ``threads`` threads, each file fsynced, then the folder;
     drop the cache and read them back with ``threads`` threads into fresh host tensors. (write s, read s)."""
@@ -385,28 +415,8 @@ def limit_disk_parallel(folder: str, total: int, cache: Cache, threads: int, fil
     per = -(-total // files)
     sizes = [max(0, min(per, total - i * per)) for i in range(files)]
     path = lambda i: os.path.join(folder, f"f{i}")  # noqa: E731
-
-    def write(i):
-        fd = os.open(path(i), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        try:
-            left = sizes[i]
-            while left > 0:
-                left -= os.write(fd, block[:min(left, len(block))])
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-    def read(i):
-        out = torch.empty(sizes[i], dtype=torch.uint8)
-        view = memoryview(out.numpy())
-        with open(path(i), "rb", buffering=0) as f:
-            got = 0
-            while got < sizes[i]:
-                n = f.readinto(view[got:])
-                if not n:
-                    break
-                got += n
-        return out
+    write = lambda i: _write_file(path(i), sizes[i], block, fsync=True)  # noqa: E731
+    read = lambda i: _read_file(path(i), sizes[i])  # noqa: E731
 
     with ThreadPoolExecutor(threads) as pool:
         t = time.perf_counter()
@@ -443,30 +453,8 @@ def limit_files(folder: str, sizes: list, cache: Cache, threads: int) -> dict:
     shutil.rmtree(folder, ignore_errors=True)
     os.makedirs(folder)
     path = lambda i: os.path.join(folder, f"f{i}")  # noqa: E731
-
-    def write(i):
-        fd = os.open(path(i), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        try:
-            left = sizes[i]
-            while left > 0:
-                left -= os.write(fd, block[:min(left, len(block))])
-        finally:
-            os.close(fd)
-
-    def read(i):
-        out = torch.empty(sizes[i], dtype=torch.uint8)
-        view = memoryview(out.numpy())
-        fd = os.open(path(i), os.O_RDONLY)
-        try:
-            got = 0
-            while got < sizes[i]:
-                n = os.readv(fd, [view[got:]])
-                if not n:
-                    break
-                got += n
-        finally:
-            os.close(fd)
-        return out
+    write = lambda i: _write_file(path(i), sizes[i], block, fsync=False)  # noqa: E731
+    read = lambda i: _read_file(path(i), sizes[i])  # noqa: E731
 
     with ThreadPoolExecutor(threads) as pool:
         list(pool.map(lambda i: None, range(threads)))      # the threads exist before the clock starts
