@@ -4,7 +4,9 @@ saved once with nxd_ckpt (xser), loaded into a dict of XLA tensors with the page
 (``posix_fadvise(DONTNEED)`` on them only) before every load:
 
 - ``mapped``: files of 1 MiB and more memory-mapped (``FileReader.mapped``, what load_checkpoint did);
-- ``buffered``: every file read into a fresh host buffer (``read_buffer``).
+- ``buffered``: every file read into a fresh host buffer (``read_buffer``);
+- ``torch_refs``: as ``mapped``, the ref pickles unpickled by torch's safe loader instead of the restricted C
+  unpickler (``xser.pickling.load_plain_refs``, what load_checkpoint did before).
 
     python scripts/ab_load.py --size-gb 1 --tensors 300 --rounds 4 --dir /tmp/ab_load --out bench_out/ab_load.json
 """
@@ -34,6 +36,7 @@ def main() -> int:
     args = p.parse_args()
     import nxd_ckpt
     import nxd_ckpt.api as api
+    import xser.api as xser_api
 
     variants = tuple(args.variants.split(","))
     dev = bench.device()
@@ -45,9 +48,11 @@ def main() -> int:
     cache = bench.Cache()
     cache.mode = "posix_fadvise_dontneed"        # this run's files only: the machine is shared
     mapped_default = api.copies_every_tensor
+    plain_refs = xser_api.load_plain_refs
 
     def one(variant: str, _round: int) -> dict:
-        api.copies_every_tensor = mapped_default if variant == "mapped" else (lambda m, o: False)
+        api.copies_every_tensor = mapped_default if variant != "buffered" else (lambda m, o: False)
+        xser_api.load_plain_refs = plain_refs if variant != "torch_refs" else (lambda data: (False, None))
         target = {k: v for k, v in model.items()}
         opt = bench.replace_tensors(optim, iter(bench.tensors_of(optim))) if optim is not None else None
         bench.trim_heap()
@@ -62,9 +67,10 @@ def main() -> int:
 
     res, loads = bench.alternate(variants, one, args.rounds)
     api.copies_every_tensor = mapped_default
+    xser_api.load_plain_refs = plain_refs
     shutil.rmtree(args.dir, ignore_errors=True)
     out = {"bytes": nbytes, "tensors": args.tensors, "state": args.state, "rounds": args.rounds, "load1": loads,
-           "median": bench.medians(res)}
+           "median": bench.medians(res), "runs": res}
     bench.print_json(out, args.out)
     return 0
 

@@ -118,3 +118,64 @@ def test_info_pickle_is_what_torch_save_writes():
     torch.save(expected, buf)
     assert info_bytes(meta) == buf.getvalue()
     assert torch.load(io.BytesIO(info_bytes(meta)), weights_only=True) == expected
+
+
+# --- reading: plain ref data through the restricted C unpickler (load_plain_refs) ----------------------
+_RAN = []
+
+
+def _side_effect(what):
+    _RAN.append(what)
+    return what
+
+
+class _Runs:
+    """Its pickle calls a function on load: what a malicious ref file would do."""
+
+    def __reduce__(self):
+        return _side_effect, ("ran",)
+
+
+def _torch_safe(data: bytes):
+    """What torch's safe loader makes of the bytes (load_refs before the C fast path)."""
+    return pickling.load_pickle(io.BytesIO(data), trusted=False, name="ref")
+
+
+@pytest.mark.parametrize("name", ["flat", "repeated", "ordered"])
+def test_plain_refs_load_as_torch_safe_loader_does(name, monkeypatch):
+    from collections import OrderedDict
+    obj = CASES.get(name) or OrderedDict(a=TensorReference(1), b=[1, 2.5, None, "s", (True, TensorReference(2))])
+    data = _fast_bytes(obj)
+    plain, back = pickling.load_plain_refs(data)
+    assert plain
+    assert type(back) is type(obj) and back == obj and back == _torch_safe(data)
+    torch_load = pytest.fail                   # load_refs takes the fast path: torch.load is never called
+    monkeypatch.setattr(torch, "load", lambda *a, **k: torch_load("torch.load called"))
+    assert xser.load_refs(io.BytesIO(data)) == obj
+
+
+def test_plain_refs_refuse_other_globals_without_running_them():
+    _RAN.clear()
+    buf = io.BytesIO()
+    torch.save({"w": TensorReference(0), "x": _Runs()}, buf)
+    assert pickling.load_plain_refs(buf.getvalue()) == (False, None)
+    assert _RAN == []
+    with pytest.raises(xser.UnsafeCheckpointError, match="_side_effect"):
+        xser.load_refs(io.BytesIO(buf.getvalue()))
+    assert _RAN == []
+
+
+@pytest.mark.parametrize("name", ["nested", "no_refs"])
+def test_ref_files_with_inline_tensors_take_torch_safe_loader(name):
+    data = _fast_bytes(CASES[name])
+    assert pickling.load_plain_refs(data) == (False, None)
+    back = xser.load_refs(io.BytesIO(data))
+    assert torch.equal(back["inline" if name == "nested" else "t"], CASES[name]["inline" if name == "nested" else "t"])
+
+
+def test_damaged_ref_bytes_are_left_to_torch_loader_to_explain():
+    data = bytearray(_fast_bytes(CASES["flat"]))
+    data[len(data) // 3: len(data) // 3 + 64] = b"\xff" * 64
+    assert pickling.load_plain_refs(bytes(data)) == (False, None)
+    with pytest.raises(xser.XserError):
+        xser.load_refs(io.BytesIO(bytes(data)))

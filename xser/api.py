@@ -1,6 +1,7 @@
 """``save`` and ``load`` with torch-xla's semantics: a ref file plus one file per tensor."""
 from __future__ import annotations
 
+import io
 import os
 import shutil
 import tempfile
@@ -11,7 +12,7 @@ import torch
 from .errors import CorruptFileError, MissingFileError, XserError
 from .files import read_tensor, tensor_file, tensors_dir, write_tensor
 from .host import batches, is_master, to_cpu
-from .pickling import check_file, describe, dump_refs, load_pickle
+from .pickling import check_file, describe, dump_refs, load_pickle, load_plain_refs
 from .refs import from_refs, to_refs
 
 #: Host memory used by one batch of device -> host copies in ``save``.
@@ -62,7 +63,13 @@ def _write_atomic(path: str, write) -> None:
 
 
 def load_refs(src, *, trusted: bool = False, name: Optional[str] = None) -> Any:
-    """The ref data of a ref file (path or file object): TensorReferences in place of externalised tensors."""
+    """The ref data of a ref file (path or file object): TensorReferences in place of externalised tensors.
+    A ref file in memory (BytesIO) holding only plain ref data is unpickled by the C unpickler restricted to
+    TensorReference (``load_plain_refs``), else by torch's safe loader (``trusted``: the full unpickler)."""
+    if not trusted and isinstance(src, io.BytesIO) and src.tell() == 0:
+        plain, refs = load_plain_refs(src.getvalue())
+        if plain:
+            return refs
     return load_pickle(src, trusted=trusted, name=name or describe(src))
 
 

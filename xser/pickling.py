@@ -9,6 +9,7 @@ that would import or call anything else raises ``UnsafeCheckpointError`` before 
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import io
 import os
@@ -16,7 +17,7 @@ import pickle
 import re
 import types
 import zipfile
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Tuple
 
 import torch
 
@@ -191,6 +192,45 @@ def load_pickle(src, *, trusted: bool = False, name: Optional[str] = None, map_l
         # other threads. Allowlisting this plain data class for the whole process is harmless.
         torch.serialization.add_safe_globals(_SAFE_ENTRIES)
         return torch.load(src, map_location=map_location, weights_only=True, mmap=mmap)
+
+
+class _NotPlainRefs(Exception):
+    """The pickle holds more than plain ref data: torch's safe loader decides (and explains)."""
+
+
+class _PlainRefUnpickler(pickle.Unpickler):
+    """The C unpickler allowed to import only TensorReference (under torch-xla's name or ours) and OrderedDict,
+    both allowlisted by torch's safe loader too, and with no persistent_load (a tensor storage raises). Every
+    other global raises before anything is imported or called: the allowlist pattern of the ``pickle`` docs
+    ("Restricting Globals"), a strict subset of what ``torch.load(weights_only=True)`` accepts."""
+
+    _ALLOWED = {(TORCH_XLA_MODULE, TORCH_XLA_NAME): TensorReference,
+                (TensorReference.__module__, TensorReference.__qualname__): TensorReference,
+                ("collections", "OrderedDict"): collections.OrderedDict}
+
+    def find_class(self, module, name):
+        cls = self._ALLOWED.get((module, name))
+        if cls is None:
+            raise _NotPlainRefs(f"{module}.{name}")
+        return cls
+
+
+def load_plain_refs(data) -> Tuple[bool, Any]:
+    """(True, ref data) of a torch.save zip in ``data`` (bytes) holding only plain ref data (containers,
+    numbers, strings, TensorReferences; no tensor, no other class), else (False, None): the caller then uses
+    ``load_pickle``, whose result is the same where both apply. torch's safe loader spends about 25 us of
+    Python per TensorReference (it rebuilds its allowlist twice per object): 0.12 CPU-s before the first
+    tensor read of a 5,000-tensor shard; the C unpickler takes a few ms."""
+    try:
+        with zipfile.ZipFile(io.BytesIO(data)) as zf:
+            names = zf.namelist()
+            pkl = [n for n in names if n.endswith("/data.pkl") or n == "data.pkl"]
+            order = [n for n in names if n.endswith("/byteorder") or n == "byteorder"]
+            if len(pkl) != 1 or len(order) > 1 or (order and zf.read(order[0]) != b"little"):
+                return False, None
+            return True, _PlainRefUnpickler(io.BytesIO(zf.read(pkl[0])), encoding="ASCII").load()
+    except Exception:  # noqa: BLE001 - not plain ref data (or damaged): torch's loader decides and explains
+        return False, None
 
 
 @contextlib.contextmanager
