@@ -4,7 +4,8 @@ on bench.py's state: ``before`` against ``after``, everything else as nxd_ckpt d
 page cache is written back and dropped (bench.Cache), so each starts from a clean disk.
 
 Levers: ``writeback`` (no early writeback against ``sync_file_range`` WRITE as each file of
-``storage.local.WRITEBACK_MIN_BYTES`` or more is closed); ``workers`` (``num_workers``, the writer threads:
+``storage.local.WRITEBACK_MIN_BYTES`` or more is closed); ``createlock`` (local files created one at a time,
+``storage.local.SERIAL_CREATE``: 1 against 0, concurrent creation); ``workers`` (``num_workers``, the writer threads:
 ``--before`` against ``--after``).
 
     python scripts/ab_commit.py --lever writeback --size-gb 1 --tensors 300 --rounds 4 --out bench_out/ab_writeback_1gb.json
@@ -25,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import bench  # noqa: E402
 
-LEVERS = ("writeback", "workers")
+LEVERS = ("writeback", "workers", "createlock")
 _NEVER = 1 << 62
 
 
@@ -37,6 +38,8 @@ def _set_lever(lever: str, after: bool, values: dict, kw: dict) -> None:
         local.WRITEBACK_MIN_BYTES = value
     elif lever == "workers":
         kw["num_workers"] = value
+    elif lever == "createlock":
+        local.SERIAL_CREATE = bool(value)
 
 
 def main() -> int:
@@ -55,7 +58,8 @@ def main() -> int:
     import nxd_ckpt
     from nxd_ckpt.storage import local
 
-    defaults = {"writeback": (_NEVER, local.WRITEBACK_MIN_BYTES), "workers": (args.num_workers, args.num_workers)}
+    defaults = {"writeback": (_NEVER, local.WRITEBACK_MIN_BYTES), "workers": (args.num_workers, args.num_workers),
+                "createlock": (1, 0)}
     values = {"before": defaults[args.lever][0] if args.before is None else args.before,
               "after": defaults[args.lever][1] if args.after is None else args.after}
     model, optim, _ = bench.build_state(int(args.size_gb * 1e9), args.tensors, bench.device(), args.state)

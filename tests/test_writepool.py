@@ -1,11 +1,13 @@
 """The write pool's batches of small files: exact records, bounded batches, and leases given back on failure."""
 import os
+import threading
 
 import crc32c
 import pytest
 
 from nxd_ckpt import writepool
 from nxd_ckpt.staging import HostBudget
+from nxd_ckpt.storage import local
 from nxd_ckpt.storage.local import LocalStorage
 from nxd_ckpt.writepool import TaskQueue, WritePool, WriteTask, bytes_task, failing_task
 
@@ -32,14 +34,36 @@ def test_batches_take_only_what_is_queued_and_respect_caps(monkeypatch):
     assert budget.used == 50 + 200 + 60 + 10      # batching alone releases nothing
 
 
-def test_write_all_batches_records_every_file_exactly(tmp_path):
+class _CountingLock:
+    def __init__(self):
+        self.lock, self.entered = threading.Lock(), 0
+
+    def __enter__(self):
+        self.lock.acquire()
+        self.entered += 1
+
+    def __exit__(self, *exc):
+        self.lock.release()
+
+
+@pytest.mark.parametrize("serial_create", [True, False])
+def test_write_all_batches_records_every_file_exactly(tmp_path, monkeypatch, serial_create):
+    monkeypatch.setattr(local, "SERIAL_CREATE", serial_create)
     payloads = {f"d/t_{i}.pt": os.urandom(100 + i) for i in range(100)}
     budget = HostBudget(1 << 30)
     q = TaskQueue()
     for rel, data in payloads.items():
         q.add(_leased(budget, rel, data))
     q.close()
-    res = WritePool().write_all(q, LocalStorage(str(tmp_path)), "w", workers=4)
+    storage = LocalStorage(str(tmp_path))
+    storage._create_lock = lock = _CountingLock()
+    res = WritePool().write_all(q, storage, "w", workers=4)
+    # One at a time once the first file has told the filesystem is local (tmp_path is; the files the 4
+    # writers started before that go without), else concurrent.
+    if serial_create and storage._local_fs:
+        assert len(payloads) - 4 <= lock.entered <= len(payloads) - 1
+    else:
+        assert lock.entered == 0
     assert res.error is None
     assert sorted(r.relpath for r in res.records) == sorted(payloads)
     assert len(res.records) == len(payloads)
