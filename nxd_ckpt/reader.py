@@ -16,7 +16,7 @@ import queue
 import threading
 import warnings
 import zlib
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Tuple, Union
 
@@ -557,32 +557,41 @@ def read_tensors(reader: FileReader, jobs: Dict[int, str], pool: ThreadPoolExecu
     out: Dict[int, torch.Tensor] = {}
     batch: List[Tuple[int, torch.Tensor]] = []
     held = 0                                     # bytes in ``batch``
-    pending: Dict[Future, int] = {}
-    queue = iter(order)
+    pending: Dict[int, Future] = {}
+    todo = iter(order)
+    # Each read reports to this queue: one get per file here, instead of a futures.wait() that locks and
+    # unlocks every future in flight per completion (60 us of this thread's CPU per file with 16 in flight).
+    finished: "queue.SimpleQueue[Tuple[int, Optional[torch.Tensor], Optional[BaseException]]]" = queue.SimpleQueue()
+
+    def read(tid: int) -> None:
+        try:
+            finished.put((tid, reader.load_tensor(jobs[tid]), None))
+        except BaseException as exc:  # noqa: BLE001 - raised on the calling thread below
+            finished.put((tid, None, exc))
 
     def submit() -> None:
-        for tid in itertools.islice(queue, max(0, 2 * max(1, workers) - len(pending))):
-            pending[pool.submit(reader.load_tensor, jobs[tid])] = tid
+        for tid in itertools.islice(todo, max(0, 2 * max(1, workers) - len(pending))):
+            pending[tid] = pool.submit(read, tid)
 
     try:
         submit()
         while pending:
-            done, _ = wait(pending, return_when=FIRST_COMPLETED)
-            for fut in done:
-                tid = pending.pop(fut)
-                tensor = fut.result()
-                if tid in targets:
-                    batch.append((tid, tensor))
-                    held += tensor.nbytes
-                else:
-                    out[tid] = tensor
+            tid, tensor, error = finished.get()
+            del pending[tid]
+            if error is not None:
+                raise error
+            if tid in targets:
+                batch.append((tid, tensor))
+                held += tensor.nbytes
+            else:
+                out[tid] = tensor
             submit()
             if held >= batch_bytes:
                 out.update(_to_device(batch, targets))
                 batch, held = [], 0
         out.update(_to_device(batch, targets))
     except BaseException:
-        for fut in pending:
+        for fut in pending.values():
             fut.cancel()
         raise
     return out
