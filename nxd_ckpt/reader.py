@@ -560,7 +560,7 @@ def read_tensors(reader: FileReader, jobs: Dict[int, str], pool: ThreadPoolExecu
     pending: Dict[int, Future] = {}
     todo = iter(order)
     # Each read reports to this queue: one get per file here, instead of a futures.wait() that locks and
-    # unlocks every future in flight per completion (60 us of this thread's CPU per file with 16 in flight).
+    # unlocks every future in flight per completion (about 18 us of this thread's CPU per file, 0.5 GB / 5,000).
     finished: "queue.SimpleQueue[Tuple[int, Optional[torch.Tensor], Optional[BaseException]]]" = queue.SimpleQueue()
 
     def read(tid: int) -> None:
