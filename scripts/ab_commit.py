@@ -15,7 +15,6 @@ e.g. the default 1 MiB against 64 KiB for many small files; workers: ``num_worke
 """
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 import sys
@@ -43,17 +42,11 @@ def _set_lever(lever: str, after: bool, values: dict, kw: dict) -> None:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = bench.ab_parser(__doc__, dir="/tmp/nxd_ckpt_ab_commit", rounds=4)
     p.add_argument("--lever", choices=LEVERS, required=True)
-    p.add_argument("--size-gb", type=float, default=1.0)
-    p.add_argument("--tensors", type=int, default=300)
-    p.add_argument("--state", choices=("fp32", "bf16-adam"), default="fp32")
     p.add_argument("--num-workers", type=int, default=8)
-    p.add_argument("--rounds", type=int, default=4)
-    p.add_argument("--dir", default="/tmp/nxd_ckpt_ab_commit")
     p.add_argument("--before", type=int, help="the knob's value in 'before' (writeback: never started)")
     p.add_argument("--after", type=int, help="the knob's value in 'after' (writeback: the module's default)")
-    p.add_argument("--out")
     args = p.parse_args()
     import nxd_ckpt
     from nxd_ckpt.storage import local

@@ -12,7 +12,6 @@ saved once with nxd_ckpt (xser), loaded into a dict of XLA tensors with the page
 """
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 import sys
@@ -25,14 +24,8 @@ import bench  # noqa: E402
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--size-gb", type=float, default=1.0)
-    p.add_argument("--tensors", type=int, default=300)
-    p.add_argument("--state", choices=("fp32", "bf16-adam"), default="fp32")
-    p.add_argument("--rounds", type=int, default=4)
+    p = bench.ab_parser(__doc__, dir="/tmp/nxd_ckpt_ab_load", rounds=4)
     p.add_argument("--variants", default="mapped,buffered")
-    p.add_argument("--dir", default="/tmp/nxd_ckpt_ab_load")
-    p.add_argument("--out")
     args = p.parse_args()
     import nxd_ckpt
     import nxd_ckpt.api as api

@@ -14,7 +14,6 @@ of host-to-device work. The endpoint and credentials come from the AWS environme
 """
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
@@ -27,13 +26,8 @@ import bench  # noqa: E402
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--dir", required=True)
-    p.add_argument("--size-gb", type=float, default=0.25)
-    p.add_argument("--tensors", type=int, default=100)
-    p.add_argument("--rounds", type=int, default=6)
+    p = bench.ab_parser(__doc__, dir=None, rounds=6, size_gb=0.25, tensors=100, state=False)
     p.add_argument("--variants", default="pipelined,whole")
-    p.add_argument("--out")
     args = p.parse_args()
     import torch_xla.core.xla_model as xm
 

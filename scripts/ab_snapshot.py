@@ -17,7 +17,6 @@ pickler) or ``smallfiles_all`` (the three together).
 """
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 import sys
@@ -70,13 +69,7 @@ def _torch_copy_into(src, pool):
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--size-gb", type=float, default=1.0)
-    p.add_argument("--tensors", type=int, default=300)
-    p.add_argument("--state", choices=("fp32", "bf16-adam"), default="fp32")
-    p.add_argument("--rounds", type=int, default=4)
-    p.add_argument("--dir", default="/tmp/nxd_ckpt_ab")
-    p.add_argument("--out")
+    p = bench.ab_parser(__doc__, dir="/tmp/nxd_ckpt_ab", rounds=4)
     p.add_argument("--lever", choices=LEVERS)
     args = p.parse_args()
     global _BODY

@@ -15,7 +15,6 @@ Every result is printed in run order too, so a lasting effect (one variant chang
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
@@ -26,16 +25,11 @@ import bench  # noqa: E402
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--size-gb", type=float, default=1.0)
-    p.add_argument("--tensors", type=int, default=300)
-    p.add_argument("--rounds", type=int, default=3)
+    p = bench.ab_parser(__doc__, dir="/tmp/nxd_ckpt_ab_train", rounds=3, state=False)
     p.add_argument("--variants", default="kept,released,after_peers")
-    p.add_argument("--dir", default="/tmp/nxd_ckpt_ab_train")
     p.add_argument("--train-steps", type=int, default=20)
     p.add_argument("--train-dim", type=int, default=1024)
     p.add_argument("--num-workers", type=int, default=8)
-    p.add_argument("--out")
     args = p.parse_args()
     import nxd_ckpt
 

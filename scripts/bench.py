@@ -145,6 +145,22 @@ def fsync_tree(path):
             os.close(fd)
 
 
+def ab_parser(doc: str, *, dir: str | None, rounds: int, size_gb: float = 1.0, tensors: int = 300,
+              state: bool = True) -> "argparse.ArgumentParser":
+    """The arguments every A/B script takes (state shape, rounds, folder, JSON out); ``dir=None``: required."""
+    import argparse
+
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--size-gb", type=float, default=size_gb)
+    p.add_argument("--tensors", type=int, default=tensors)
+    if state:
+        p.add_argument("--state", choices=("fp32", "bf16-adam"), default="fp32")
+    p.add_argument("--rounds", type=int, default=rounds)
+    p.add_argument("--dir", default=dir, required=dir is None)
+    p.add_argument("--out")
+    return p
+
+
 def alternate(variants, one, rounds: int):
     """A/B runs of ``one(variant, round)``: a warm-up of each (round 0), then ``rounds`` rounds alternating the
     order; returns each variant's results and the 1-minute load average after each round."""
