@@ -60,7 +60,7 @@ def test_write_all_batches_records_every_file_exactly(tmp_path, monkeypatch, ser
     res = WritePool().write_all(q, storage, "w", workers=4)
     # One at a time once the first file has told the filesystem is local (tmp_path is; the files the 4
     # writers started before that go without), else concurrent.
-    if serial_create and storage._local_fs:
+    if serial_create and storage._anchor.local_fs:
         assert len(payloads) - 4 <= lock.entered <= len(payloads) - 1
     else:
         assert lock.entered == 0

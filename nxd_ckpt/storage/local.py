@@ -114,7 +114,6 @@ class LocalStorage(Storage):
     def __init__(self, root: str):
         self.root = os.path.abspath(root)
         self._anchor = _SyncAnchor()
-        self._local_fs = False            # known after the first file is created
         self._create_lock = threading.Lock()
 
     def path(self, relpath: str) -> str:
@@ -169,10 +168,9 @@ class LocalStorage(Storage):
         # 3.1-4.3 s instead of 7.5-14 s (the writes stay parallel). Network filesystems (a round trip per
         # creation) keep creating in parallel.
         sink = _FileSink(self.path(relpath), atomic, exclusive,
-                         self._create_lock if self._local_fs and SERIAL_CREATE else None)
+                         self._create_lock if self._anchor.local_fs and SERIAL_CREATE else None)
         if not self._anchor.armed:
             self._anchor.arm(os.path.dirname(sink._path))
-            self._local_fs = self._anchor.local_fs
         return sink
 
     def read(self, relpath: str, offset: int = 0, length: Optional[int] = None) -> bytes:
@@ -292,16 +290,23 @@ class _SyncAnchor:
         with self._lock:
             if self.armed:
                 return
-            self.armed = True
             try:
-                fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0))
-            except OSError:
-                return
-            self.local_fs = _syncfs_usable(fd)
-            if self.local_fs:
-                self._fd, self._dev = fd, os.fstat(fd).st_dev
-            else:
-                os.close(fd)
+                self._open(folder)
+            finally:
+                # Published last: a writer that sees ``armed`` without the lock also sees ``local_fs``
+                # (else, under load, writers created several files each without the creation lock).
+                self.armed = True
+
+    def _open(self, folder: str) -> None:
+        try:
+            fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0))
+        except OSError:
+            return
+        self.local_fs = _syncfs_usable(fd)
+        if self.local_fs:
+            self._fd, self._dev = fd, os.fstat(fd).st_dev
+        else:
+            os.close(fd)
 
     def take(self) -> Tuple[Optional[int], Optional[int]]:
         """(device, descriptor) of the batch written since the last call; the caller closes it."""
