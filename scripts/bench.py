@@ -1142,6 +1142,11 @@ def _file_floor_targets(add, a: dict, lim: dict, nbytes_: int, workers: int) -> 
         f"(extra) nxd_ckpt load_cpu_s_per_gb <= {n}-file read + h2d (CPU-s/GB)")
 
 
+def _slowdown_text(r: dict) -> str:
+    slow = r.get("train_step_slowdown")
+    return "not measured (--skip-train)" if slow is None or math.isnan(slow) else f"{slow:.2f}x"
+
+
 def file_floor_text(r: dict) -> str:
     """One sentence: the per-file floor of this run and how far nxd_ckpt_async is above it ('' if not measured)."""
     lim, nb, w = r["limits"], r["bytes"], r["config"]["num_workers"]
@@ -1189,7 +1194,7 @@ def print_table(r: dict) -> None:
         print(f"{name:<32}" + "".join(_num(v.get(k), max(10, len(k) + 1), d) for k, d in cols))
     if file_floor_text(r):
         print(file_floor_text(r))
-    print(f"train step slowdown during an async save: {r['train_step_slowdown']:.2f}x; host buffers kept between "
+    print(f"train step slowdown during an async save: {_slowdown_text(r)}; host buffers kept between "
           f"saves: {r.get('host_buffer_pool_mb', float('nan')):.0f} MB")
     print("targets:")
     for name, t in r["targets"].items():
@@ -1215,11 +1220,12 @@ def markdown(r: dict) -> str:
                      f"{f(v.get('load_cpu_s_per_gb'), 2)} | {f(v.get('stall_page_faults_mb'), 0)} | "
                      f"{f(v.get('host_rss_peak_mb'), 0)} |")
     lines += ["", f"Limits in the same run: batched device-to-host {lim['d2h_batched_s']:.3f} s "
-              f"({lim['d2h_batched_cpu_s_per_gb']:.2f} CPU-s/GB), host-to-device {lim['h2d_s']:.3f} s, {w}-thread "
+              f"({lim['d2h_batched_cpu_s_per_gb']:.2f} CPU-s/GB), host-to-device {lim['h2d_s']:.3f} s "
+              f"({lim['h2d_cpu_s_per_gb']:.2f} CPU-s/GB), {w}-thread "
               f"write+fsync {lim['disk_write_parallel_gbps']:.2f} GB/s, {w}-thread read "
               f"{lim['disk_read_parallel_gbps']:.2f} GB/s (one stream: write+fsync {lim['disk_write_gbps']:.2f} GB/s, "
               f"read {lim['disk_read_gbps']:.2f} GB/s). Training step slowdown during an async save: "
-              f"{r['train_step_slowdown']:.2f}x. Host buffers kept between saves (`keep_host_buffers`): "
+              f"{_slowdown_text(r)}. Host buffers kept between saves (`keep_host_buffers`): "
               f"{r.get('host_buffer_pool_mb', float('nan')):.0f} MB. {file_floor_text(r)}".rstrip(), "",
               "| target | value | bound | met |",
               "|---|---|---|---|"]
