@@ -27,7 +27,6 @@ from . import layout, masters
 from .errors import CheckpointArgumentError, CheckpointError, CorruptCheckpointError
 from .outdir import check_output, output_tree, progress_bar
 from .partition import merge_tp
-from .manifest import Manifest
 from .manifest import read as read_manifest
 from .reader import FileReader
 
@@ -151,24 +150,21 @@ def _flatten(obj, prefix="", out=None, skipped=None):
 
 
 class _Shard:
-    def __init__(self, reader: FileReader, rel: str, manifest: Optional[Manifest], xser_folder: bool):
+    def __init__(self, reader: FileReader, rel: str, xser_folder: bool):
         self.reader, self.rel = reader, rel
         self.xser = xser_folder
         data = reader.load_pickle(rel) if xser_folder else reader.plain(rel, mmap=True)
         self.flat, self.skipped = _flatten(data)
-        self.info = (reader.info(rel) or {}) if xser_folder else {}
-        self.meta = {}
+        metas, self.keyed = reader.tensor_metas(rel, info_file=xser_folder)
+        self.meta = {t: m.to_json() for t, m in metas.items()}
         # tid of each inline tensor (non-xser shards): the order xser.to_refs gives, as the manifest uses
         self.tid_of_obj = {} if xser_folder else {id(t): tid for tid, t in enumerate(xser.to_refs(data)[1])}
-        if manifest is not None:
-            for tid, m in manifest.tensors.get(rel, {}).items():
-                self.meta[int(tid)] = m.to_json()   # the same shape as an .info.pt entry
         self.masters: Optional[_Masters] = None
 
     def describe(self, key: str, ref) -> Leaf:
         part = None
         if xser.is_ref(ref):
-            m = self.meta.get(ref.tid) or self.info.get(ref.tid)
+            m = self.meta.get(ref.tid)
             if m is None:
                 t = self._peek(ref.tid)
                 dtype, shape = t.dtype, tuple(t.shape)
@@ -235,9 +231,9 @@ class _Masters:
 
     def _index(self, shard: "_Shard") -> Dict[int, int]:
         found = {tid: int(m[masters.INDEX_META]) for tid, m in shard.meta.items() if masters.INDEX_META in m}
-        if found or shard.meta:
+        if found or shard.keyed:
             return found
-        keys_shapes = [(k, tuple(shard.info[r.tid]["shape"])) for k, r in shard.flat.items() if xser.is_ref(r)]
+        keys_shapes = [(k, tuple(shard.meta[r.tid]["shape"])) for k, r in shard.flat.items() if xser.is_ref(r)]
         by_key = masters.keys_by_order(keys_shapes, self.shape_info, self.group_sizes)
         if by_key is None:
             raise ExportError(f"{self.reader.where(shard.rel)}: the model's weights are kept as ZeRO-1 master weights "
@@ -279,7 +275,7 @@ def plan_export(tagdir, partitions: Sequence[Tuple[str, int, int]] = (), dtype: 
     ntp = max(tps) + 1
     from_masters = manifest.extra.get(masters.FLAG) if manifest is not None else layout.model_data_absent(st)
     xser_folder = from_masters or layout.folder_is_xser(st, layout.MODEL_DIR)   # no .tensors folder when all data is in optim/
-    shards = {(s.tp, s.pp): _Shard(reader, f"{layout.MODEL_DIR}/{n}", manifest, xser_folder) for s, n in names.items()}
+    shards = {(s.tp, s.pp): _Shard(reader, f"{layout.MODEL_DIR}/{n}", xser_folder) for s, n in names.items()}
     if from_masters:
         for (tp, pp), sh in shards.items():
             sh.masters = _Masters(reader, sh, tp, pp)

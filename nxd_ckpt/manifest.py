@@ -123,6 +123,12 @@ class TensorMeta:
         rest = {k: v for k, v in d.items() if k not in ("dtype", "shape", "key")}
         return cls(str(d["dtype"]), tuple(int(x) for x in d["shape"]), str(d.get("key", "")), rest)
 
+    @classmethod
+    def from_info(cls, entry: dict) -> "TensorMeta":
+        """From an ``.info.pt`` entry (torch dtype, torch.Size, attributes; it records no state-dict key)."""
+        rest = {k: v for k, v in entry.items() if k not in ("dtype", "shape")}
+        return cls(str(entry["dtype"]).replace("torch.", ""), tuple(int(d) for d in entry["shape"]), "", rest)
+
     def to_json(self) -> dict:
         return {"dtype": self.dtype, "shape": list(self.shape), "key": self.key, **self.attrs}
 

@@ -27,7 +27,7 @@ import xser
 
 from . import hostgroups, layout, plainpipe, rangecheck
 from .errors import CorruptCheckpointError, UnsafeCheckpointError
-from .manifest import FileEntry, Manifest, info_entry
+from .manifest import FileEntry, Manifest, TensorMeta, info_entry
 from .plan import assign_to_bins
 from .storage import Storage
 from .storage.base import READ_BLOCK, LocalFile, crc_hex
@@ -196,6 +196,15 @@ class FileReader:
         """The shard's ``.info.pt`` ({tid: {dtype, shape, ...}}), None when it has none (older NxD)."""
         rel = layout.info_path(ref_relpath)
         return self.load_pickle(rel) if self.exists(rel) else None
+
+    def tensor_metas(self, ref_relpath: str, info_file: bool = True) -> Tuple[Dict[int, TensorMeta], bool]:
+        """What the save recorded of each tensor of a shard, and whether it came from the manifest: its records
+        (state-dict keys included), else the shard's ``.info.pt`` when ``info_file`` (no keys), else none."""
+        meta = self.manifest.tensors.get(ref_relpath) if self.manifest is not None else None
+        if meta:
+            return {int(t): m for t, m in meta.items()}, True
+        info = (self.info(ref_relpath) if info_file else None) or {}
+        return {int(t): TensorMeta.from_info(e) for t, e in info.items()}, False
 
     def pipelines(self, relpath: str) -> bool:
         """Whether the plain shard ``relpath`` is read by ``read_plain_pipelined``: PIPELINE_PLAIN_SHARDS is on,

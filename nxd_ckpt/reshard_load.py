@@ -123,17 +123,14 @@ class SourceShard:
     """One saved shard file: its ref data (small for xser shards) and its tensors, loaded on demand.
     ``home_of`` (layout.tensor_home / own_home) tells which shard's folder holds a tensor file."""
 
-    def __init__(self, reader: FileReader, relpath: str, manifest: Optional[Manifest], home_of=layout.tensor_home,
+    def __init__(self, reader: FileReader, relpath: str, home_of=layout.tensor_home,
                  plain: bool = False):
         self.reader, self.relpath, self.home_of = reader, relpath, home_of
         # A plain (non-xser) shard holds its tensors in the one file: opened lazily, each tensor read when needed.
         self.lazy = reader.plain_lazy(relpath) if plain else None
         self.ref = self.lazy.data if self.lazy is not None else reader.load_pickle(relpath)
-        meta = manifest.tensors.get(relpath) if manifest is not None else None
-        # the same shape as an .info.pt entry
-        self.meta: Dict[int, dict] = {int(t): m.to_json() for t, m in meta.items()} if meta else {}
-        if not self.meta:
-            self.meta = {int(t): dict(m) for t, m in (reader.info(relpath) or {}).items()}
+        metas, _ = reader.tensor_metas(relpath)
+        self.meta: Dict[int, dict] = {t: m.to_json() for t, m in metas.items()}
 
     def load(self, obj) -> torch.Tensor:
         if isinstance(obj, xser.TensorReference):
@@ -202,7 +199,7 @@ class Source:
                 raise StateMismatchError(f"checkpoint {self.reader.tag!r} has no {rel}; it is needed to reshard "
                                          f"from {self.sizes.describe(self.sizes.ep > 1)}")
             home_of = layout.own_home if folder in self.legacy_ep else layout.tensor_home
-            self._shards[key] = SourceShard(self.reader, rel, self.manifest, home_of, self.plain)
+            self._shards[key] = SourceShard(self.reader, rel, home_of, self.plain)
         return self._shards[key]
 
     def _ep(self, ep: int) -> Optional[int]:

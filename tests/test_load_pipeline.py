@@ -145,6 +145,13 @@ def test_shard_info_comes_from_the_manifest_without_reading_the_info_file(tmp_pa
     bare = reader.FileReader(storage, "a", dataclasses.replace(man, tensors={}))
     assert reader.shard_info(bare, SHARD, tids) == from_file
     assert read == [layout.info_path(SHARD)]
+    # the offline tools' view (FileReader.tensor_metas): the manifest's records, keys included, else the file's
+    metas, keyed = rd.tensor_metas(SHARD)
+    assert keyed and sorted(m.key for m in metas.values()) == sorted(state)
+    from_info, keyed = bare.tensor_metas(SHARD)
+    assert not keyed and sorted(from_info) == tids and all(m.key == "" for m in from_info.values())
+    assert {t: manifest_mod.info_entry(m.dtype, m.shape, m.attrs) for t, m in from_info.items()} == from_file
+    assert bare.tensor_metas(SHARD, info_file=False) == ({}, False)
 
     read.clear()
     target = {k: torch.zeros_like(v) for k, v in state.items()}
