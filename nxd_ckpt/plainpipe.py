@@ -145,6 +145,9 @@ class RecordPipe:
             nbytes = self._storages[meta.untyped_storage()._cdata][1]
             if data_at + nbytes > data_end:
                 raise self._corrupt(f"storage record {key} holds {data_end - data_at} bytes; its pickle needs {nbytes}")
+            if _extent(meta) > nbytes:     # torch.load's set_ refuses it too; a view here would read the next record
+                raise self._corrupt(f"has tensor {tid} reaching byte {_extent(meta)} of its storage record {key}, "
+                                    f"which holds {nbytes} bytes")
             isz = meta.element_size()
             storage = self._buf.untyped_storage()
             base = data_at
@@ -155,3 +158,11 @@ class RecordPipe:
                                                       meta.stride())
             out.append((tid, t))
         return out
+
+
+def _extent(meta: torch.Tensor) -> int:
+    """Bytes of its storage a tensor spans, from the storage's start (its offset, shape and strides)."""
+    if meta.numel() == 0:
+        return 0
+    last = meta.storage_offset() + sum((n - 1) * st for n, st in zip(meta.shape, meta.stride()))
+    return (last + 1) * meta.element_size()

@@ -158,3 +158,40 @@ def test_shard_info_comes_from_the_manifest_without_reading_the_info_file(tmp_pa
     nxd_ckpt.load_checkpoint(root, "a", model=target)
     assert layout.info_path(SHARD) not in read and SHARD in read, read
     assert_bit_equal(to_cpu_state(state), to_cpu_state(target))
+
+
+def test_plain_shard_pipe_refuses_a_tensor_reaching_past_its_storage_record(tmp_path):
+    """A plain shard's pickle that lays a tensor beyond its storage record (a file written wrong: every record's
+    checksum is right) is an error naming the tensor, as torch.load's would be, not a view of the next record."""
+    import nxd_ckpt
+    import xser
+    from nxd_ckpt import manifest as manifest_mod
+    from nxd_ckpt import plainpipe
+    from nxd_ckpt.errors import CorruptCheckpointError
+    from nxd_ckpt.storage.local import LocalStorage
+
+    root = str(tmp_path / "ckpt")
+    nxd_ckpt.save_checkpoint(root, "a", model={"w": torch.arange(8.0), "b": torch.ones(4)}, use_xser=False)
+    entry = manifest_mod.read(LocalStorage(root), "a").files[SHARD]
+    assert entry.ranges, "the save records the CRC32C of each zip record"
+    raw = open(os.path.join(root, "a", SHARD), "rb").read()
+
+    def run(shrink: int):
+        def unpickle(pkl):
+            data, storages = xser.unpickle_meta(pkl)
+            cdata = data["w"].untyped_storage()._cdata
+            storages[cdata] = (storages[cdata][0], storages[cdata][1] - shrink)
+            return data, storages
+
+        buf = torch.empty(entry.size, dtype=torch.uint8)
+        buf.numpy()[:] = memoryview(raw)
+        pipe = plainpipe.RecordPipe(buf, entry, SHARD, "", unpickle)
+        got = dict(pipe.landed(0, entry.size))
+        pipe.finish()
+        return {pipe.ref_data[k].tid: k for k in ("w", "b")}, got
+
+    names, got = run(0)
+    assert {names[t]: v.tolist() for t, v in got.items()} == {"w": list(range(8)), "b": [1.0] * 4}
+    with pytest.raises(CorruptCheckpointError, match=r"tensor 0 reaching byte 32 of its storage record \S+, which "
+                                                     r"holds 28 bytes"):
+        run(4)
