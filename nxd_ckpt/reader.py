@@ -275,7 +275,7 @@ class FileReader:
             block = READ_BLOCK if self.storage.caps.local else len(view)
             while got < len(view):
                 want = min(block, len(view) - got)
-                n = self.storage.read_into(full, view[got:got + want], got)
+                n = self.storage.read_into(full, view[got:got + want], got, expect=size - got if entry else None)
                 crc = _crc32c.crc32c(view[got:got + n], crc)
                 got += n
                 if n < want:

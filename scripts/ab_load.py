@@ -7,6 +7,11 @@ saved once with nxd_ckpt (xser), loaded into a dict of XLA tensors with the page
 - ``buffered``: every file read into a fresh host buffer (``read_buffer``);
 - ``torch_refs``: as ``mapped``, the ref pickles unpickled by torch's safe loader instead of the restricted C
   unpickler (``xser.pickling.load_plain_refs``, what load_checkpoint did before).
+- ``no_frames``: as ``mapped``, every small tensor file's zip directory parsed (``xser.tensorfile``'s frames
+  off, what load_checkpoint did before);
+- ``eof_probe``: as ``mapped``, one more read per file that only confirms the end of the file (``Storage.read_into``
+  without ``expect``, what load_checkpoint did before);
+- ``old_read``: both of the above.
 
     python scripts/ab_load.py --size-gb 1 --tensors 300 --rounds 4 --dir /tmp/ab_load --out bench_out/ab_load.json
 """
@@ -30,6 +35,8 @@ def main() -> int:
     import nxd_ckpt
     import nxd_ckpt.api as api
     import xser.api as xser_api
+    from nxd_ckpt.storage import base as storage_base
+    from xser import tensorfile
 
     variants = tuple(args.variants.split(","))
     dev = bench.device()
@@ -42,10 +49,16 @@ def main() -> int:
     cache.mode = "posix_fadvise_dontneed"        # this run's files only: the machine is shared
     mapped_default = api.copies_every_tensor
     plain_refs = xser_api.load_plain_refs
+    directory, read_into = tensorfile._directory, storage_base.Storage.read_into
+
+    def probing_read_into(self, relpath, view, offset=0, on_range=None, expect=None):
+        return read_into(self, relpath, view, offset, on_range)
 
     def one(variant: str, _round: int) -> dict:
         api.copies_every_tensor = mapped_default if variant != "buffered" else (lambda m, o: False)
         xser_api.load_plain_refs = plain_refs if variant != "torch_refs" else (lambda data: (False, None))
+        tensorfile._directory = (lambda view: None) if variant in ("no_frames", "old_read") else directory
+        storage_base.Storage.read_into = probing_read_into if variant in ("eof_probe", "old_read") else read_into
         target = {k: v for k, v in model.items()}
         opt = bench.replace_tensors(optim, iter(bench.tensors_of(optim))) if optim is not None else None
         bench.trim_heap()
@@ -61,6 +74,7 @@ def main() -> int:
     res, loads = bench.alternate(variants, one, args.rounds)
     api.copies_every_tensor = mapped_default
     xser_api.load_plain_refs = plain_refs
+    tensorfile._directory, storage_base.Storage.read_into = directory, read_into
     shutil.rmtree(args.dir, ignore_errors=True)
     out = {"bytes": nbytes, "tensors": args.tensors, "state": args.state, "rounds": args.rounds, "load1": loads,
            "median": bench.medians(res), "runs": res}

@@ -73,6 +73,7 @@ DAMAGE = {
     "flip_tensor": (f"{SHARD}.tensors/tensor_0.pt", "fails its checksum"),
     "flip_optim_tensor": (f"{OSHARD}.tensors/tensor_2.pt", "fails its checksum"),
     "truncate_tensor": (f"{SHARD}.tensors/tensor_1.pt", "truncated"),
+    "extend_tensor": (f"{SHARD}.tensors/tensor_1.pt", "overwritten"),
     "delete_tensor": (f"{OSHARD}.tensors/tensor_1.pt", "missing"),
     "delete_ref": (SHARD, "missing"),
     "flip_ref": (OSHARD, "fails its checksum"),
@@ -92,6 +93,8 @@ def _damage(root, tag, kind):
         _flip(root, key)
     elif kind.startswith("truncate"):
         overwrite(root, key, storage_of(root).read(key)[:-5])
+    elif kind.startswith("extend"):
+        overwrite(root, key, storage_of(root).read(key) + b"\0" * 5)
     elif kind.startswith("garble"):
         overwrite(root, key, b'{"format": "nxd-ckpt-manifest", "files": {')
     else:

@@ -195,3 +195,20 @@ def test_plain_shard_pipe_refuses_a_tensor_reaching_past_its_storage_record(tmp_
     with pytest.raises(CorruptCheckpointError, match=r"tensor 0 reaching byte 32 of its storage record \S+, which "
                                                      r"holds 28 bytes"):
         run(4)
+
+
+def test_a_file_of_the_expected_size_is_read_in_one_call_and_a_longer_or_shorter_one_shows(tmp_path, monkeypatch):
+    from nxd_ckpt.storage.local import LocalStorage
+
+    storage = LocalStorage(str(tmp_path))
+    calls = []
+    preadv = os.preadv
+    monkeypatch.setattr(os, "preadv", lambda fd, bufs, off: (calls.append(off), preadv(fd, bufs, off))[1])
+    for name, size in (("exact", 1000), ("longer", 1003), ("shorter", 997)):
+        (tmp_path / name).write_bytes((bytes(range(256)) * 4)[:size])
+        calls.clear()
+        buf = bytearray(1001)                       # the expected 1000 bytes and one more
+        got = storage.read_into(name, memoryview(buf), 0, expect=1000)
+        assert got == min(size, 1001) and bytes(buf[:got]) == (bytes(range(256)) * 4)[:got]
+        # no read only to confirm the end of a file of the expected size; a short one is read until its end
+        assert len(calls) == {"exact": 1, "longer": 1, "shorter": 2}[name], (name, calls)

@@ -71,3 +71,29 @@ def test_unsafe_pickle_is_refused_even_when_its_tensor_layout_is_known(monkeypat
     monkeypatch.setattr(tensorfile, "_layouts", {})
     with pytest.raises(xser.UnsafeCheckpointError):
         xser.load_tensor_in_place(torch.frombuffer(bytearray(_torch_save(Evil())), dtype=torch.uint8))
+
+
+def test_a_file_whose_frame_was_seen_is_read_without_parsing_its_directory(monkeypatch):
+    g = torch.Generator().manual_seed(2)
+    a, b = (torch.randn(40, 3, generator=g) for _ in range(2))
+    # the same zip directory as a and b (record names, sizes and places), another pickle: not a's frame
+    c = torch.randint(0, 1000, (80, 3), dtype=torch.int16, generator=g)
+    assert tensorfile._directory(memoryview(_buffer(c).numpy())) == tensorfile._directory(memoryview(_buffer(a).numpy()))
+    monkeypatch.setattr(tensorfile, "_layouts", {})
+    monkeypatch.setattr(tensorfile, "_frames", {})
+    parsed = []
+    records = tensorfile.records
+    monkeypatch.setattr(tensorfile, "records", lambda view: (parsed.append(1), records(view))[1])
+    got = [xser.load_tensor_in_place(_buffer(t)) for t in (a, b, c, c)]
+    assert len(parsed) == 2, "the second float and the second int file reuse their frames"
+    for want, t in zip((a, b, c, c), got):
+        assert t.dtype == want.dtype and t.shape == want.shape and torch.equal(t, want)
+
+
+def test_files_with_a_zip_crc_are_not_remembered(monkeypatch):
+    monkeypatch.setattr(tensorfile, "_layouts", {})
+    monkeypatch.setattr(tensorfile, "_frames", {})
+    for i in range(2):                                      # torch.save's files: a CRC-32 per record
+        t = torch.full((5,), float(i))
+        assert torch.equal(xser.load_tensor_in_place(torch.frombuffer(bytearray(_torch_save(t)), dtype=torch.uint8)), t)
+    assert tensorfile._layouts and not tensorfile._frames

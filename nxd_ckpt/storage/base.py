@@ -211,12 +211,14 @@ class Storage(ABC):
         return self.read(relpath)
 
     def read_into(self, relpath: str, view: memoryview, offset: int = 0,
-                  on_range: Optional[Callable[[int, int], None]] = None) -> int:
+                  on_range: Optional[Callable[[int, int], None]] = None, expect: Optional[int] = None) -> int:
         """Fill ``view`` with the file's bytes from ``offset`` (fewer only at the end of the file); how many were
         read. Where the backend has local files they go straight into ``view``, with no bytes object between.
         ``on_range(start, end)``: told of each filled span of ``view`` as it is complete (an object store's
         ranged GETs, from their threads; here once, at the end), so a reader can use it while the rest arrives.
-        FileNotFoundError."""
+        ``expect``: how many bytes the caller expects (the manifest's size): once that many are in, no further
+        read only to confirm the end of the file (a ``view`` one byte longer still shows a longer file, in the
+        same read). FileNotFoundError."""
         local = self.local_path(relpath)
         if local is None:
             data = self.read(relpath, offset, len(view))
@@ -227,7 +229,8 @@ class Storage(ABC):
         fd = os.open(local, os.O_RDONLY)
         try:
             got = 0
-            while got < len(view):
+            stop = len(view) if expect is None else min(len(view), expect)
+            while got < stop:
                 n = os.preadv(fd, [view[got:]], offset + got)
                 if n <= 0:
                     break

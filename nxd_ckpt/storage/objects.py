@@ -117,7 +117,8 @@ class ObjectStorage(Storage):
         return self.bucket.get(self.key(relpath), offset, length)
 
     def read_into(self, relpath: str, view: memoryview, offset: int = 0,
-                  on_range: Optional[Callable[[int, int], None]] = None) -> int:
+                  on_range: Optional[Callable[[int, int], None]] = None, expect: Optional[int] = None) -> int:
+        # ``expect`` saves nothing here: a ranged GET ends where the object does
         return self.bucket.get_into(self.key(relpath), view, offset, on_range)
 
     def _entries(self, prefix: str, first_only: bool = False) -> List[Tuple[str, Stat]]:
