@@ -37,7 +37,7 @@ def assign_to_bins(sizes: Sequence[int], bins: int) -> List[List[int]]:
 
 
 def tensor_nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
+    return t.nbytes
 
 
 def model_filename(topo: Topology, rank: int) -> str:
