@@ -21,7 +21,7 @@ from . import manifest as manifest_mod
 from .errors import (CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError,
                      StateMismatchError, TopologyMismatchError)
 from .plan import home_filename, model_filename, optim_filename, replica_groups
-from .reader import ALL, LOAD_HINT, FileReader, read_shard, resolve, share_shard
+from .reader import ALL, LOAD_HINT, FileReader, pipeline_threads, read_shard, resolve, share_shard
 from .storage import Storage
 from .storage.s3 import S3Error
 from .world import World
@@ -313,7 +313,7 @@ def _read_parts(reader: FileReader, saved: dict, world: World, want_model: bool,
     out: Dict[str, object] = {}
     cooperative = world.distributed and world.world_size > 1 and not node_local
     xser_shard = bool(saved.get("xser", True))
-    with ThreadPoolExecutor(max_workers=max(1, num_workers)) as pool:
+    with pipeline_threads(), ThreadPoolExecutor(max_workers=max(1, num_workers)) as pool:
         zero1, legacy = bool(saved.get("zero1")), saved.get("legacy_ep") or frozenset()
         old_names = layout.OPTIM_DIR in legacy
         parts = (("model", layout.MODEL_DIR, want_model, lambda r: model_filename(topo, r)),

@@ -11,7 +11,10 @@ saved once with nxd_ckpt (xser), loaded into a dict of XLA tensors with the page
   off, what load_checkpoint did before);
 - ``eof_probe``: as ``mapped``, one more read per file that only confirms the end of the file (``Storage.read_into``
   without ``expect``, what load_checkpoint did before);
-- ``old_read``: both of the above.
+- ``old_read``: both of the above;
+- ``one_thread``: as ``mapped``, torch's intra-op threads set to 1 for the whole load (``torch.set_num_threads``);
+- ``omp_threads``: as ``mapped``, torch's intra-op threads left as they are during the read pipelines
+  (``reader.PIPELINE_INTRAOP_THREADS = None``, what load_checkpoint did before).
 
     python scripts/ab_load.py --size-gb 1 --tensors 300 --rounds 4 --dir /tmp/ab_load --out bench_out/ab_load.json
 """
@@ -32,8 +35,11 @@ def main() -> int:
     p = bench.ab_parser(__doc__, dir="/tmp/nxd_ckpt_ab_load", rounds=4)
     p.add_argument("--variants", default="mapped,buffered")
     args = p.parse_args()
+    import torch
+
     import nxd_ckpt
     import nxd_ckpt.api as api
+    from nxd_ckpt import reader
     import xser.api as xser_api
     from nxd_ckpt.storage import base as storage_base
     from xser import tensorfile
@@ -49,6 +55,7 @@ def main() -> int:
     cache.mode = "posix_fadvise_dontneed"        # this run's files only: the machine is shared
     mapped_default = api.copies_every_tensor
     plain_refs = xser_api.load_plain_refs
+    intraop = reader.PIPELINE_INTRAOP_THREADS
     directory, read_into = tensorfile._directory, storage_base.Storage.read_into
 
     def probing_read_into(self, relpath, view, offset=0, on_range=None, expect=None):
@@ -56,6 +63,7 @@ def main() -> int:
 
     def one(variant: str, _round: int) -> dict:
         api.copies_every_tensor = mapped_default if variant != "buffered" else (lambda m, o: False)
+        reader.PIPELINE_INTRAOP_THREADS = None if variant == "omp_threads" else intraop
         xser_api.load_plain_refs = plain_refs if variant != "torch_refs" else (lambda data: (False, None))
         tensorfile._directory = (lambda view: None) if variant in ("no_frames", "old_read") else directory
         storage_base.Storage.read_into = probing_read_into if variant in ("eof_probe", "old_read") else read_into
@@ -64,9 +72,13 @@ def main() -> int:
         bench.trim_heap()
         cache.drop(args.dir)
         faults = bench.minor_faults()
+        threads = torch.get_num_threads()
         c0, t0 = bench.cpu_time(), time.perf_counter()
+        if variant == "one_thread":
+            torch.set_num_threads(1)
         nxd_ckpt.load_checkpoint(args.dir, "t", model=target, optimizer=opt)
         bench.wait_device()
+        torch.set_num_threads(threads)
         wall, cpu = time.perf_counter() - t0, bench.cpu_time() - c0
         faults = bench.minor_faults() - faults
         return {"load_s": wall, "load_cpu_s_per_gb": cpu / (nbytes / 1e9), "page_faults_mb": faults * 4096 / 2 ** 20}
@@ -75,6 +87,7 @@ def main() -> int:
     api.copies_every_tensor = mapped_default
     xser_api.load_plain_refs = plain_refs
     tensorfile._directory, storage_base.Storage.read_into = directory, read_into
+    reader.PIPELINE_INTRAOP_THREADS = intraop
     shutil.rmtree(args.dir, ignore_errors=True)
     out = {"bytes": nbytes, "tensors": args.tensors, "state": args.state, "rounds": args.rounds, "load1": loads,
            "median": bench.medians(res), "runs": res}

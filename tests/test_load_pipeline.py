@@ -212,3 +212,26 @@ def test_a_file_of_the_expected_size_is_read_in_one_call_and_a_longer_or_shorter
         assert got == min(size, 1001) and bytes(buf[:got]) == (bytes(range(256)) * 4)[:got]
         # no read only to confirm the end of a file of the expected size; a short one is read until its end
         assert len(calls) == {"exact": 1, "longer": 1, "shorter": 2}[name], (name, calls)
+
+
+def test_the_read_pipeline_runs_torch_with_one_intraop_thread_and_restores_the_setting(tmp_path, monkeypatch):
+    import nxd_ckpt
+    from nxd_ckpt import reader
+
+    dev = xla_device()
+    root = str(tmp_path / "ckpt")
+    nxd_ckpt.save_checkpoint(root, "a", model=_state(dev), use_xser=True)
+    seen = []
+    original = reader._to_device
+    monkeypatch.setattr(reader, "_to_device", lambda batch, targets: (seen.append(torch.get_num_threads()),
+                                                                         original(batch, targets))[1])
+    before = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        target = {k: torch.zeros_like(v) for k, v in _state(dev).items()}
+        nxd_ckpt.load_checkpoint(root, "a", model=target)
+        assert torch.get_num_threads() == 3
+    finally:
+        torch.set_num_threads(before)
+    assert seen and set(seen) == {1}, seen
+    assert_bit_equal(to_cpu_state(_state(dev)), to_cpu_state(target))
