@@ -14,7 +14,9 @@ saved once with nxd_ckpt (xser), loaded into a dict of XLA tensors with the page
 - ``old_read``: both of the above;
 - ``one_thread``: as ``mapped``, torch's intra-op threads set to 1 for the whole load (``torch.set_num_threads``);
 - ``omp_threads``: as ``mapped``, torch's intra-op threads left as they are during the read pipelines
-  (``reader.PIPELINE_INTRAOP_THREADS = None``, what load_checkpoint did before).
+  (``reader.PIPELINE_INTRAOP_THREADS = None``, what load_checkpoint did before);
+- ``no_groups``: as ``mapped``, one pool task per tensor file (``reader.GROUP_BYTES = 0``, what load_checkpoint
+  did before).
 
     python scripts/ab_load.py --size-gb 1 --tensors 300 --rounds 4 --dir /tmp/ab_load --out bench_out/ab_load.json
 """
@@ -55,7 +57,7 @@ def main() -> int:
     cache.mode = "posix_fadvise_dontneed"        # this run's files only: the machine is shared
     mapped_default = api.copies_every_tensor
     plain_refs = xser_api.load_plain_refs
-    intraop = reader.PIPELINE_INTRAOP_THREADS
+    intraop, group_bytes = reader.PIPELINE_INTRAOP_THREADS, reader.GROUP_BYTES
     directory, read_into = tensorfile._directory, storage_base.Storage.read_into
 
     def probing_read_into(self, relpath, view, offset=0, on_range=None, expect=None):
@@ -64,6 +66,7 @@ def main() -> int:
     def one(variant: str, _round: int) -> dict:
         api.copies_every_tensor = mapped_default if variant != "buffered" else (lambda m, o: False)
         reader.PIPELINE_INTRAOP_THREADS = None if variant == "omp_threads" else intraop
+        reader.GROUP_BYTES = 0 if variant == "no_groups" else group_bytes
         xser_api.load_plain_refs = plain_refs if variant != "torch_refs" else (lambda data: (False, None))
         tensorfile._directory = (lambda view: None) if variant in ("no_frames", "old_read") else directory
         storage_base.Storage.read_into = probing_read_into if variant in ("eof_probe", "old_read") else read_into
@@ -87,7 +90,7 @@ def main() -> int:
     api.copies_every_tensor = mapped_default
     xser_api.load_plain_refs = plain_refs
     tensorfile._directory, storage_base.Storage.read_into = directory, read_into
-    reader.PIPELINE_INTRAOP_THREADS = intraop
+    reader.PIPELINE_INTRAOP_THREADS, reader.GROUP_BYTES = intraop, group_bytes
     shutil.rmtree(args.dir, ignore_errors=True)
     out = {"bytes": nbytes, "tensors": args.tensors, "state": args.state, "rounds": args.rounds, "load1": loads,
            "median": bench.medians(res), "runs": res}

@@ -38,6 +38,7 @@ def test_damage_found_mid_pipeline_names_the_file_and_applies_nothing(tmp_path, 
     placed = []
     original = reader._to_device
     monkeypatch.setattr(reader, "PLACE_BATCH_BYTES", 1)       # every tensor is its own batch
+    monkeypatch.setattr(reader, "GROUP_BYTES", 0)             # and its own read task
     monkeypatch.setattr(reader, "_to_device", lambda batch, targets: (placed.extend(t for t, _ in batch),
                                                                          original(batch, targets))[1])
     target = _state(dev)
@@ -235,3 +236,33 @@ def test_the_read_pipeline_runs_torch_with_one_intraop_thread_and_restores_the_s
         torch.set_num_threads(before)
     assert seen and set(seen) == {1}, seen
     assert_bit_equal(to_cpu_state(_state(dev)), to_cpu_state(target))
+
+
+def test_small_files_are_read_in_groups_and_damage_in_a_group_names_its_file(tmp_path, monkeypatch):
+    import nxd_ckpt
+    from nxd_ckpt import reader
+
+    assert reader.read_groups([5, 4, 3, 2, 1, 0], {5: None, 4: 3 << 20, 3: 600 << 10, 2: 300 << 10, 1: 200 << 10,
+                                                     0: 100 << 10}) == [(5,), (4,), (3, 2), (1, 0)]
+    dev = xla_device()
+    root = str(tmp_path / "ckpt")
+    nxd_ckpt.save_checkpoint(root, "a", model=_state(dev), use_xser=True)
+    tasks = []
+    original = reader.read_groups
+    monkeypatch.setattr(reader, "read_groups", lambda order, sizes: (tasks.append(original(order, sizes)),
+                                                                      tasks[-1])[1])
+    target = {k: torch.zeros_like(v) for k, v in _state(dev).items()}
+    nxd_ckpt.load_checkpoint(root, "a", model=target)
+    assert tasks == [[tuple(range(9, -1, -1))]], "ten small files, largest first, in one task"
+    assert_bit_equal(to_cpu_state(_state(dev)), to_cpu_state(target))
+
+    tensors = os.path.join(root, "a", f"{SHARD}.tensors")
+    path = os.path.join(tensors, "tensor_4.pt")                # in the middle of the group
+    data = bytearray(open(path, "rb").read())
+    data[-40] ^= 0x01
+    open(path, "wb").write(bytes(data))
+    target = {k: torch.zeros_like(v) for k, v in _state(dev).items()}
+    with pytest.raises(nxd_ckpt.CorruptCheckpointError, match="fails its checksum") as info:
+        nxd_ckpt.load_checkpoint(root, "a", model=target)
+    assert info.value.path == f"a/{SHARD}.tensors/tensor_4.pt"
+    assert all(torch.equal(v.cpu(), torch.zeros_like(v.cpu())) for v in target.values()), "nothing applied"
