@@ -63,12 +63,11 @@ def main() -> int:
 
     def one(variant: str, i: int) -> dict:
         _set_lever(args.lever, variant == "after", values, kw)
-        shutil.rmtree(args.dir, ignore_errors=True)
-        os.makedirs(args.dir)
+        root = bench.ab_save_dir(args, variant, i)
         bench.trim_heap()
-        cache.drop(args.dir)
+        cache.drop(root)
         c0, t0 = bench.cpu_time(), time.perf_counter()
-        nxd_ckpt.save_checkpoint(args.dir, f"t{i}", async_save=True, **kw)
+        nxd_ckpt.save_checkpoint(root, f"t{i}", async_save=True, **kw)
         stall = time.perf_counter() - t0
         nxd_ckpt.finalize_checkpoint()
         st = nxd_ckpt.save_stats()[-1]
@@ -76,6 +75,7 @@ def main() -> int:
         return {"stall_s": stall, "write_done_s": st["write_done_s"], "commit_s": st["commit_s"],
                 "commit_gbps": gb / st["commit_s"], "cpu_s_per_gb": (bench.cpu_time() - c0) / gb}
 
+    shutil.rmtree(args.dir, ignore_errors=True)
     res, loads = bench.alternate(("before", "after"), one, args.rounds)
     shutil.rmtree(args.dir, ignore_errors=True)
     out = {"lever": args.lever, "values": values, "bytes": nbytes, "tensors": args.tensors, "state": args.state,

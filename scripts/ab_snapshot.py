@@ -86,17 +86,16 @@ def main() -> int:
     new_copy, memmove_into = staging.copy_to_host, staging._copy_into
 
     def one(variant: str, i: int) -> dict:
+        root = bench.ab_save_dir(args, variant, i)
         if args.lever:
             _set_lever(args.lever, variant)
             variant = "new"
         engine.copy_to_host = _old_copy if variant == "old" else new_copy
         staging._copy_into = _torch_copy_into if variant == "pool_copy_" else memmove_into
-        shutil.rmtree(args.dir, ignore_errors=True)
-        os.makedirs(args.dir)
         bench.trim_heap()
         faults = bench.minor_faults()
         c0, t0 = bench.cpu_time(), time.perf_counter()
-        nxd_ckpt.save_checkpoint(args.dir, f"t{i}", async_save=True, **kw)
+        nxd_ckpt.save_checkpoint(root, f"t{i}", async_save=True, **kw)
         stall, c_stall = time.perf_counter() - t0, bench.cpu_time() - c0
         faults = bench.minor_faults() - faults
         nxd_ckpt.finalize_checkpoint()
@@ -104,6 +103,7 @@ def main() -> int:
         return {"stall_s": stall, "commit_s": nxd_ckpt.save_stats()[-1]["commit_s"], "cpu_s_per_gb": (bench.cpu_time() - c0) / gb,
                 "stall_cpu_s_per_gb": c_stall / gb, "stall_faults_mb": faults * 4096 / 2 ** 20}
 
+    shutil.rmtree(args.dir, ignore_errors=True)
     res, loads = bench.alternate(variants, one, args.rounds)
     shutil.rmtree(args.dir, ignore_errors=True)
     out = {"lever": args.lever, "bytes": nbytes, "tensors": args.tensors, "state": args.state, "rounds": args.rounds, "load1": loads,

@@ -239,3 +239,19 @@ def test_ab_train_tiny_run_alternates_what_runs_before_the_training_loop(tmp_pat
     # 20 MB of fresh buffers after release_host_buffers(), none with the buffers kept
     assert r["median"]["released"]["save_stall_page_faults_mb"] > 10 > r["median"]["kept"]["save_stall_page_faults_mb"]
     assert not any(os.listdir(tmp_path / "d"))
+
+
+def test_ab_save_dir_keeps_earlier_rounds_only_with_keep_tags(tmp_path):
+    """A/B scripts: by default every save goes into --dir emptied first; with --keep-tags each round of each
+    variant gets a new folder and the earlier ones stay (no mass deletion right before a save)."""
+    bench = _bench_module()
+    root = tmp_path / "ab"
+    args = bench.ab_parser("", dir=str(root), rounds=1).parse_args([])
+    assert args.keep_tags is False
+    first = bench.ab_save_dir(args, "before", 0)
+    (root / "old_file").write_text("x")
+    assert bench.ab_save_dir(args, "after", 0) == str(root) == first and os.listdir(root) == []
+    kept = bench.ab_parser("", dir=str(root), rounds=1).parse_args(["--keep-tags"])
+    a, b = bench.ab_save_dir(kept, "before", 1), bench.ab_save_dir(kept, "after", 1)
+    assert a != b and sorted(os.listdir(root)) == ["after_1", "before_1"]
+    assert os.listdir(a) == [] and os.listdir(b) == []
