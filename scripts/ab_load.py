@@ -15,6 +15,8 @@ saved once with nxd_ckpt (xser), loaded into a dict of XLA tensors with the page
 - ``one_thread``: as ``mapped``, torch's intra-op threads set to 1 for the whole load (``torch.set_num_threads``);
 - ``omp_threads``: as ``mapped``, torch's intra-op threads left as they are during the read pipelines
   (``reader.PIPELINE_INTRAOP_THREADS = None``, what load_checkpoint did before);
+- ``before_all``: ``old_read``, ``omp_threads`` and ``no_groups`` together (this session's load levers off);
+- ``workers<N>`` (e.g. ``workers2``): as ``mapped``, with ``num_workers=N`` instead of NxD's default 8;
 - ``no_groups``: as ``mapped``, one pool task per tensor file (``reader.GROUP_BYTES = 0``, what load_checkpoint
   did before).
 
@@ -65,11 +67,11 @@ def main() -> int:
 
     def one(variant: str, _round: int) -> dict:
         api.copies_every_tensor = mapped_default if variant != "buffered" else (lambda m, o: False)
-        reader.PIPELINE_INTRAOP_THREADS = None if variant == "omp_threads" else intraop
-        reader.GROUP_BYTES = 0 if variant == "no_groups" else group_bytes
+        reader.PIPELINE_INTRAOP_THREADS = None if variant in ("omp_threads", "before_all") else intraop
+        reader.GROUP_BYTES = 0 if variant in ("no_groups", "before_all") else group_bytes
         xser_api.load_plain_refs = plain_refs if variant != "torch_refs" else (lambda data: (False, None))
-        tensorfile._directory = (lambda view: None) if variant in ("no_frames", "old_read") else directory
-        storage_base.Storage.read_into = probing_read_into if variant in ("eof_probe", "old_read") else read_into
+        tensorfile._directory = (lambda view: None) if variant in ("no_frames", "old_read", "before_all") else directory
+        storage_base.Storage.read_into = probing_read_into if variant in ("eof_probe", "old_read", "before_all") else read_into
         target = {k: v for k, v in model.items()}
         opt = bench.replace_tensors(optim, iter(bench.tensors_of(optim))) if optim is not None else None
         bench.trim_heap()
@@ -79,7 +81,8 @@ def main() -> int:
         c0, t0 = bench.cpu_time(), time.perf_counter()
         if variant == "one_thread":
             torch.set_num_threads(1)
-        nxd_ckpt.load_checkpoint(args.dir, "t", model=target, optimizer=opt)
+        workers = int(variant[len("workers"):]) if variant.startswith("workers") else 8
+        nxd_ckpt.load_checkpoint(args.dir, "t", model=target, optimizer=opt, num_workers=workers)
         bench.wait_device()
         torch.set_num_threads(threads)
         wall, cpu = time.perf_counter() - t0, bench.cpu_time() - c0
