@@ -81,10 +81,14 @@ def main() -> int:
         c0, t0 = bench.cpu_time(), time.perf_counter()
         if variant == "one_thread":
             torch.set_num_threads(1)
+        switch = sys.getswitchinterval()
+        if variant.startswith("switch"):       # e.g. switch500: the GIL's switch interval 500 us during the load
+            sys.setswitchinterval(int(variant[len("switch"):]) * 1e-6)
         workers = int(variant[len("workers"):]) if variant.startswith("workers") else 8
         nxd_ckpt.load_checkpoint(args.dir, "t", model=target, optimizer=opt, num_workers=workers)
         bench.wait_device()
         torch.set_num_threads(threads)
+        sys.setswitchinterval(switch)
         wall, cpu = time.perf_counter() - t0, bench.cpu_time() - c0
         faults = bench.minor_faults() - faults
         return {"load_s": wall, "load_cpu_s_per_gb": cpu / (nbytes / 1e9), "page_faults_mb": faults * 4096 / 2 ** 20}
