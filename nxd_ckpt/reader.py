@@ -498,7 +498,8 @@ def read_shard(reader: FileReader, relpath: str, replicas: List[int], rank: int,
     complete = info is not None and all(t in info for t in tids)
     # Without .info.pt (NxD <= 0.6) nothing says which tensors are experts: each lives in its own folder.
     expert = {t: layout.is_expert(info[t]) if complete else True for t in tids}
-    home = {t: home_of(relpath, expert[t]) for t in tids}
+    homes = {e: home_of(relpath, e) for e in (False, True)}    # once per shard, not per tensor
+    home = {t: homes[expert[t]] for t in tids}
     if cooperative and complete:
         group_of = {t: tuple(sorted(replicas if expert[t] else (home_replicas or replicas))) for t in tids}
         owner_of = {}
