@@ -16,6 +16,7 @@ saved once with nxd_ckpt (xser), loaded into a dict of XLA tensors with the page
 - ``omp_threads``: as ``mapped``, torch's intra-op threads left as they are during the read pipelines
   (``reader.PIPELINE_INTRAOP_THREADS = None``, what load_checkpoint did before);
 - ``before_all``: ``old_read``, ``omp_threads`` and ``no_groups`` together (this session's load levers off);
+- ``group<KiB>`` (e.g. ``group4096``): as ``mapped``, small files in groups of that many KiB (``reader.GROUP_BYTES``);
 - ``workers<N>`` (e.g. ``workers2``): as ``mapped``, with ``num_workers=N`` instead of NxD's default 8;
 - ``no_groups``: as ``mapped``, one pool task per tensor file (``reader.GROUP_BYTES = 0``, what load_checkpoint
   did before).
@@ -69,6 +70,8 @@ def main() -> int:
         api.copies_every_tensor = mapped_default if variant != "buffered" else (lambda m, o: False)
         reader.PIPELINE_INTRAOP_THREADS = None if variant in ("omp_threads", "before_all") else intraop
         reader.GROUP_BYTES = 0 if variant in ("no_groups", "before_all") else group_bytes
+        if variant.startswith("group"):
+            reader.GROUP_BYTES = int(variant[len("group"):]) << 10
         xser_api.load_plain_refs = plain_refs if variant != "torch_refs" else (lambda data: (False, None))
         tensorfile._directory = (lambda view: None) if variant in ("no_frames", "old_read", "before_all") else directory
         storage_base.Storage.read_into = probing_read_into if variant in ("eof_probe", "old_read", "before_all") else read_into
