@@ -552,7 +552,7 @@ PLACE_BATCH_BYTES = 64 << 20
 #: torch's intra-op threads of the loading thread while its pipeline runs (None: left as they are). torch-xla's
 #: host-to-device copy runs OpenMP regions whose threads busy-wait for cores the readers need: in a profile of a
 #: 0.5 GB / 5,000-tensor load on 2 cores, 47% of the process's CPU samples were in libgomp; with one thread,
-#: 4.1 against 6.1 CPU-s/GB and 2.3 against 3.1 s (README "Load: the read pipeline").
+#: 3.99 against 6.61 CPU-s/GB and 1.94 against 2.81 s (README "Load: the read pipeline").
 PIPELINE_INTRAOP_THREADS: Optional[int] = 1
 
 
