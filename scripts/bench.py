@@ -439,9 +439,10 @@ def _read_file(path: str, size: int) -> torch.Tensor:
     return out
 
 
-def limit_disk_parallel(folder: str, total: int, cache: Cache, threads: int, files: int = 64):
+def limit_disk_parallel(folder: str, total: int, cache: Cache, threads: int, files: int = 64, remove: bool = True):
     """Write ``total`` bytes as ``files`` files from ``threads`` threads, each file fsynced, then the folder;
-    drop the cache and read them back with ``threads`` threads into fresh host tensors. (write s, read s)."""
+    drop the cache and read them back with ``threads`` threads into fresh host tensors. (write s, read s).
+    ``remove``: the files are removed after (else left for the caller)."""
     from concurrent.futures import ThreadPoolExecutor
 
     block = memoryview(bytearray(os.urandom(1 << 20)) * 16)
@@ -467,7 +468,8 @@ def limit_disk_parallel(folder: str, total: int, cache: Cache, threads: int, fil
         host = list(pool.map(read, range(files)))
         read_s = time.perf_counter() - t
     del host
-    shutil.rmtree(folder, ignore_errors=True)
+    if remove:
+        shutil.rmtree(folder, ignore_errors=True)
     return write_s, read_s
 
 
@@ -476,7 +478,7 @@ def file_sizes(root: str) -> list:
     return sorted(os.path.getsize(f) for f in _files(root))
 
 
-def limit_files(folder: str, sizes: list, cache: Cache, threads: int) -> dict:
+def limit_files(folder: str, sizes: list, cache: Cache, threads: int, remove: bool = True) -> dict:
     """The machine's per-file floor for one file set: ``len(sizes)`` files of those sizes, written by ``threads``
     threads with os.open/os.write/os.close into one folder, made durable with one syncfs and a folder fsync;
     then (page cache dropped) read back by ``threads`` threads with os.open/os.readv into fresh host
@@ -511,7 +513,8 @@ def limit_files(folder: str, sizes: list, cache: Cache, threads: int) -> dict:
         host = list(pool.map(read, range(len(sizes))))
         out.update(read_s=time.perf_counter() - t, read_cpu_s=cpu_time() - c)
     del host
-    shutil.rmtree(folder, ignore_errors=True)
+    if remove:
+        shutil.rmtree(folder, ignore_errors=True)
     return out
 
 
@@ -550,14 +553,21 @@ class Bench:
             shutil.rmtree(path, ignore_errors=True)
 
     def fresh(self, name):
-        """A new empty path for one save under --dir; earlier ones are removed first, then the cache is dropped."""
+        """A new empty path for one save under --dir, then the cache is dropped. The earlier one of ``name`` is
+        removed first, or with --keep-tags kept until the end of the run (a folder per save)."""
         self.counter += 1
-        base = os.path.join(self.dir, name)
+        base = os.path.join(self.dir, f"{name}_{self.counter}" if self.args.keep_tags else name)
         self.created.add(base)
-        shutil.rmtree(base, ignore_errors=True)
+        if not self.args.keep_tags:
+            shutil.rmtree(base, ignore_errors=True)
         os.makedirs(base, exist_ok=True)
         self.settle(base)
         return base
+
+    def discard(self, path):
+        """Remove a finished save's folder now, or with --keep-tags at the end of the run."""
+        if not self.args.keep_tags:
+            shutil.rmtree(path, ignore_errors=True)
 
     def per_gb(self, cpu_s: float) -> float:
         return cpu_s / (self.bytes / GB)
@@ -799,7 +809,7 @@ class Bench:
             del host
             getattr(fut, "upload_completion", fut).result()
         peak = self.rss.stop()
-        shutil.rmtree(base, ignore_errors=True)
+        self.discard(base)
         return {"host_rss_peak_mb": (peak - before) / MB, "host_rss_before_mb": before / MB,
                 "host_rss_peak_abs_mb": peak / MB}
 
@@ -824,7 +834,7 @@ class Bench:
         peak = self.rss.stop()
         trim_heap()
         live_after = self.rss.rss()
-        shutil.rmtree(root, ignore_errors=True)
+        self.discard(root)
         n = len(series)
         return {"saves": n, "rss_first_mb": series[0], "rss_last_mb": series[-1], "rss_max_mb": max(series),
                 "growth_mb": series[-1] - series[0], "slope_mb_per_save": _slope(series),
@@ -905,7 +915,8 @@ def run(args) -> dict:
         trim_heap()
         gc.collect()
         w, r = limit_disk(probe, b.bytes, b.cache)
-        wp, rp = limit_disk_parallel(os.path.join(b.dir, "disk_probe_parallel"), b.bytes, b.cache, args.num_workers)
+        wp, rp = limit_disk_parallel(b.fresh("disk_probe_parallel"), b.bytes, b.cache, args.num_workers,
+                                     remove=not args.keep_tags)
         if not warm:
             for k, v in (("d2h_batched_s", d2h), ("d2h_chunked_s", d2hc), ("h2d_s", h2d), ("write_s", w),
                          ("read_s", r), ("write_parallel_s", wp), ("read_parallel_s", rp),
@@ -923,8 +934,8 @@ def run(args) -> dict:
             print(f"  round {rnd}{' (warm-up)' if warm else ''} {m}: "
                   + ", ".join(f"{k}={v:.3f}" for k, v in out.items()), flush=True)
         # after the methods: the file set is that of nxd_ckpt's first save (one file per tensor otherwise)
-        fl = limit_files(os.path.join(b.dir, "files_floor"), b.file_set or [t.nbytes for t in b.tensors], b.cache,
-                         args.num_workers)
+        fl = limit_files(b.fresh("files_floor"), b.file_set or [t.nbytes for t in b.tensors], b.cache,
+                         args.num_workers, remove=not args.keep_tags)
         if not warm:
             for k in ("write", "read"):
                 lim[f"files_{k}_s"].append(fl[f"{k}_s"])
@@ -997,8 +1008,8 @@ def run(args) -> dict:
         "rss_growth": growth,
         "config": {"size_gb": args.size_gb, "tensors": len(b.tensors), "state": args.state, "hidden": b.hidden,
                    "dir": b.dir,
-                   "repeat": args.repeat, "num_workers": args.num_workers, "rss_saves": args.rss_saves,
-                   "train_dim": args.train_dim},
+                   "repeat": args.repeat, "keep_tags": args.keep_tags, "num_workers": args.num_workers,
+                   "rss_saves": args.rss_saves, "train_dim": args.train_dim},
         "environment": dict(environment(b, load_start, started), loadavg_1min_every_15s=loads.stop()),
         "notes": {
             "page_cache": f"before every save and every load: sync + {b.cache.mode}",
@@ -1235,7 +1246,9 @@ def markdown(r: dict) -> str:
                      f"{f(v.get('cpu_s_per_gb'), 2)} | {f(v.get('stall_cpu_s_per_gb'), 2)} | "
                      f"{f(v.get('load_cpu_s_per_gb'), 2)} | {f(v.get('stall_page_faults_mb'), 0)} | "
                      f"{f(v.get('host_rss_peak_mb'), 0)} |")
-    lines += ["", f"Limits in the same run: batched device-to-host {lim['d2h_batched_s']:.3f} s "
+    kept = "Every save in a folder of its own, all removed at the end (`--keep-tags`). " \
+        if r.get("config", {}).get("keep_tags") else ""
+    lines += ["", f"{kept}Limits in the same run: batched device-to-host {lim['d2h_batched_s']:.3f} s "
               f"({lim['d2h_batched_cpu_s_per_gb']:.2f} CPU-s/GB), host-to-device {lim['h2d_s']:.3f} s "
               f"({lim['h2d_cpu_s_per_gb']:.2f} CPU-s/GB), {w}-thread "
               f"write+fsync {lim['disk_write_parallel_gbps']:.2f} GB/s, {w}-thread read "
@@ -1263,6 +1276,11 @@ def main(argv=None) -> int:
     p.add_argument("--rss-saves", type=int, default=20, help="consecutive async saves for the RSS growth check")
     p.add_argument("--train-steps", type=int, default=20, help="baseline steps before and after the save")
     p.add_argument("--train-dim", type=int, default=1024)
+    p.add_argument("--keep-tags", action="store_true",
+                   help="each save (and each limit's file set) in a folder of its own, all removed only at the end "
+                        "of the run; the default removes a method's previous save right before its next one, and "
+                        "on ext4 without a journal, as on this VM, creating files right after removing thousands "
+                        "costs 0.2-0.7 ms of kernel CPU each. Needs disk for every save of the run")
     p.add_argument("--skip-train", action="store_true")
     p.add_argument("--skip-rss", action="store_true", help="skip the per-method RSS peak saves")
     p.add_argument("--methods", default="", help="comma-separated subset (development)")

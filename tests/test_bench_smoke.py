@@ -255,3 +255,27 @@ def test_ab_save_dir_keeps_earlier_rounds_only_with_keep_tags(tmp_path):
     a, b = bench.ab_save_dir(kept, "before", 1), bench.ab_save_dir(kept, "after", 1)
     assert a != b and sorted(os.listdir(root)) == ["after_1", "before_1"]
     assert os.listdir(a) == [] and os.listdir(b) == []
+
+
+def test_bench_keep_tags_gives_every_save_a_folder_removed_only_at_the_end(tmp_path):
+    """bench.py: by default a method's previous save is removed right before its next one; with --keep-tags
+    every save (and limit file set) gets a new folder, nothing is removed until cleanup() at the end."""
+    import argparse
+
+    bench = _bench_module()
+    b = bench.Bench.__new__(bench.Bench)        # the folder bookkeeping only: no model state
+    b.dir, b.counter, b.created, b.cache = str(tmp_path), 0, set(), bench.Cache()
+    b.args = argparse.Namespace(keep_tags=True)
+    first = b.fresh("nxd")
+    (tmp_path / os.path.basename(first) / "f").write_text("x")
+    b.discard(first)
+    second = b.fresh("nxd")
+    assert first != second and os.path.exists(os.path.join(first, "f")) and os.listdir(second) == []
+    b.cleanup()
+    assert os.listdir(tmp_path) == []
+    b.args.keep_tags = False
+    first = b.fresh("nxd")
+    (tmp_path / "nxd" / "f").write_text("x")
+    assert b.fresh("nxd") == first and os.listdir(first) == []
+    b.discard(first)
+    assert not os.path.exists(first)
