@@ -15,11 +15,14 @@ saved once with nxd_ckpt (xser), loaded into a dict of XLA tensors with the page
 - ``one_thread``: as ``mapped``, torch's intra-op threads set to 1 for the whole load (``torch.set_num_threads``);
 - ``omp_threads``: as ``mapped``, torch's intra-op threads left as they are during the read pipelines
   (``reader.PIPELINE_INTRAOP_THREADS = None``, what load_checkpoint did before);
-- ``before_all``: ``old_read``, ``omp_threads`` and ``no_groups`` together (this session's load levers off);
+- ``before_all``: ``old_read``, ``omp_threads``, ``no_groups`` and ``no_tail_flush`` together (this session's load
+  levers off);
 - ``group<KiB>`` (e.g. ``group4096``): as ``mapped``, small files in groups of that many KiB (``reader.GROUP_BYTES``);
 - ``workers<N>`` (e.g. ``workers2``): as ``mapped``, with ``num_workers=N`` instead of NxD's default 8;
 - ``no_groups``: as ``mapped``, one pool task per tensor file (``reader.GROUP_BYTES = 0``, what load_checkpoint
-  did before).
+  did before);
+- ``no_tail_flush``: as ``mapped``, the pipeline's last batch moved to the device after the last read
+  (``reader.TAIL_FLUSH = False``, what load_checkpoint did before).
 
     python scripts/ab_load.py --size-gb 1 --tensors 300 --rounds 4 --dir /tmp/ab_load --out bench_out/ab_load.json
 """
@@ -70,6 +73,7 @@ def main() -> int:
         api.copies_every_tensor = mapped_default if variant != "buffered" else (lambda m, o: False)
         reader.PIPELINE_INTRAOP_THREADS = None if variant in ("omp_threads", "before_all") else intraop
         reader.GROUP_BYTES = 0 if variant in ("no_groups", "before_all") else group_bytes
+        reader.TAIL_FLUSH = variant not in ("no_tail_flush", "before_all")
         if variant.startswith("group"):
             reader.GROUP_BYTES = int(variant[len("group"):]) << 10
         xser_api.load_plain_refs = plain_refs if variant != "torch_refs" else (lambda data: (False, None))
@@ -100,7 +104,7 @@ def main() -> int:
     api.copies_every_tensor = mapped_default
     xser_api.load_plain_refs = plain_refs
     tensorfile._directory, storage_base.Storage.read_into = directory, read_into
-    reader.PIPELINE_INTRAOP_THREADS, reader.GROUP_BYTES = intraop, group_bytes
+    reader.PIPELINE_INTRAOP_THREADS, reader.GROUP_BYTES, reader.TAIL_FLUSH = intraop, group_bytes, True
     shutil.rmtree(args.dir, ignore_errors=True)
     out = {"bytes": nbytes, "tensors": args.tensors, "state": args.state, "rounds": args.rounds, "load1": loads,
            "median": bench.medians(res), "runs": res}

@@ -115,6 +115,25 @@ def test_host_memory_holds_the_files_in_flight_plus_one_batch(monkeypatch):
     assert fake.alive == 0
 
 
+@pytest.mark.parametrize("tail_flush", [True, False])
+def test_the_last_reads_move_to_the_device_as_each_finishes(monkeypatch, tail_flush):
+    """Once every read is handed out, what is held moves at once and each later read on its own (the transfers
+    overlap the last reads); without TAIL_FLUSH the rest moved as one batch after the last read."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from nxd_ckpt import reader
+
+    monkeypatch.setattr(reader, "TAIL_FLUSH", tail_flush)
+    batches = []
+    monkeypatch.setattr(reader, "_to_device", lambda batch, targets: (batches.append(len(batch)),
+                                                                         {tid: t for tid, t in batch})[1])
+    jobs = {tid: f"model/x.pt.tensors/tensor_{tid}" for tid in range(60)}
+    with ThreadPoolExecutor(2) as pool:     # 2 workers: 4 reads in flight; the batch size is never reached
+        out = reader.read_tensors(_CountingReader(), jobs, pool, 2, targets={t: "dev" for t in jobs}, batch_bytes=1 << 30)
+    assert sorted(out) == list(range(60))
+    assert [b for b in batches if b] == ([56, 1, 1, 1, 1] if tail_flush else [60])
+
+
 def test_shard_info_comes_from_the_manifest_without_reading_the_info_file(tmp_path, monkeypatch):
     """The .info.pt entries the load uses are built from the manifest (no per-tensor safe unpickling), equal to
     the file's own, expert and partition attributes included; a manifest without tensor records falls back to
