@@ -7,7 +7,9 @@
   step leaves behind), so the measured save allocates and faults fresh host buffers;
 - ``after_peers``: one save of each peer (torch_xla_xser, torch_save, dcp_async) and their rmtree first,
   nxd_ckpt's buffers kept;
-- ``after_dcp``: one dcp_async save of a host copy and its rmtree first.
+- ``after_dcp``: one dcp_async save of a host copy and its rmtree first;
+- ``nice<N>`` (e.g. ``nice19``): the save's background threads (runner, writers) at niceness +N
+  (``writepool.BACKGROUND_NICE``; the threads that already exist are reniced too).
 
 Every result is printed in run order too, so a lasting effect (one variant changing every later round) shows.
 
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -37,7 +40,18 @@ def main() -> int:
     b = bench.Bench(args)
     order = []
 
+    from nxd_ckpt import writepool
+
+    default_nice = writepool.BACKGROUND_NICE
+
+    def renice(n: int) -> None:
+        writepool.BACKGROUND_NICE = n
+        for t in threading.enumerate():
+            if t.name.startswith("nxd_ckpt-") and t.native_id is not None:
+                os.setpriority(os.PRIO_PROCESS, t.native_id, min(19, os.getpriority(os.PRIO_PROCESS, 0) + n))
+
     def prep(variant: str) -> None:
+        renice(int(variant[len("nice"):]) if variant.startswith("nice") else default_nice)
         if variant == "released":
             nxd_ckpt.release_host_buffers()
             bench.trim_heap()
