@@ -6,7 +6,8 @@ page cache is written back and dropped (bench.Cache), so each starts from a clea
 Levers: ``writeback`` (no early writeback against ``sync_file_range`` WRITE as each file of
 ``storage.local.WRITEBACK_MIN_BYTES`` or more is closed); ``createlock`` (local files created one at a time,
 ``storage.local.SERIAL_CREATE``: 1 against 0, concurrent creation); ``workers`` (``num_workers``, the writer threads:
-``--before`` against ``--after``).
+``--before`` against ``--after``); ``nice`` (the background threads' niceness, ``writepool.BACKGROUND_NICE``: 10
+against 19).
 
     python scripts/ab_commit.py --lever writeback --size-gb 1 --tensors 300 --rounds 4 --out bench_out/ab_writeback_1gb.json
 
@@ -25,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import bench  # noqa: E402
 
-LEVERS = ("writeback", "workers", "createlock")
+LEVERS = ("writeback", "workers", "createlock", "nice")
 _NEVER = 1 << 62
 
 
@@ -39,6 +40,8 @@ def _set_lever(lever: str, after: bool, values: dict, kw: dict) -> None:
         kw["num_workers"] = value
     elif lever == "createlock":
         local.SERIAL_CREATE = bool(value)
+    elif lever == "nice":
+        bench.renice_background(value)
 
 
 def main() -> int:
@@ -52,7 +55,7 @@ def main() -> int:
     from nxd_ckpt.storage import local
 
     defaults = {"writeback": (_NEVER, local.WRITEBACK_MIN_BYTES), "workers": (args.num_workers, args.num_workers),
-                "createlock": (1, 0)}
+                "createlock": (1, 0), "nice": (10, 19)}
     values = {"before": defaults[args.lever][0] if args.before is None else args.before,
               "after": defaults[args.lever][1] if args.after is None else args.after}
     model, optim, _ = bench.build_state(int(args.size_gb * 1e9), args.tensors, bench.device(), args.state)

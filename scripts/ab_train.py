@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import os
 import sys
-import threading
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -44,14 +43,8 @@ def main() -> int:
 
     default_nice = writepool.BACKGROUND_NICE
 
-    def renice(n: int) -> None:
-        writepool.BACKGROUND_NICE = n
-        for t in threading.enumerate():
-            if t.name.startswith("nxd_ckpt-") and t.native_id is not None:
-                os.setpriority(os.PRIO_PROCESS, t.native_id, min(19, os.getpriority(os.PRIO_PROCESS, 0) + n))
-
     def prep(variant: str) -> None:
-        renice(int(variant[len("nice"):]) if variant.startswith("nice") else default_nice)
+        bench.renice_background(int(variant[len("nice"):]) if variant.startswith("nice") else default_nice)
         if variant == "released":
             nxd_ckpt.release_host_buffers()
             bench.trim_heap()

@@ -165,6 +165,19 @@ def ab_parser(doc: str, *, dir: str | None, rounds: int, size_gb: float = 1.0, t
     return p
 
 
+def renice_background(n: int) -> None:
+    """nxd_ckpt's background threads at niceness +``n``: those started from now on (``writepool.BACKGROUND_NICE``)
+    and those that already exist (the runner and writer threads are kept between saves)."""
+    import threading
+
+    from nxd_ckpt import writepool
+
+    writepool.BACKGROUND_NICE = n
+    for t in threading.enumerate():
+        if t.name.startswith("nxd_ckpt-") and t.native_id is not None:
+            os.setpriority(os.PRIO_PROCESS, t.native_id, min(19, os.getpriority(os.PRIO_PROCESS, 0) + n))
+
+
 def ab_save_dir(args, variant: str, i: int) -> str:
     """The empty folder an A/B script saves round ``i`` of ``variant`` into (``--keep-tags``: a new one each
     time, the earlier ones kept; else ``--dir`` itself, emptied)."""

@@ -279,3 +279,30 @@ def test_bench_keep_tags_gives_every_save_a_folder_removed_only_at_the_end(tmp_p
     assert b.fresh("nxd") == first and os.listdir(first) == []
     b.discard(first)
     assert not os.path.exists(first)
+
+
+def test_renice_background_renices_existing_and_future_background_threads(monkeypatch):
+    """The A/B scripts' ``nice`` lever: nxd_ckpt's threads that exist are reniced, and BACKGROUND_NICE is set for
+    the threads started later; other threads keep their niceness."""
+    import threading
+
+    from nxd_ckpt import writepool
+
+    bench = _bench_module()
+    monkeypatch.setattr(writepool, "BACKGROUND_NICE", writepool.BACKGROUND_NICE)
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    seen, go = {}, threading.Event()
+
+    def park():
+        go.wait(30)
+        seen[threading.current_thread().name] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    threads = [threading.Thread(target=park, name=n) for n in ("nxd_ckpt-write_0", "other")]
+    for t in threads:
+        t.start()
+    bench.renice_background(3)
+    go.set()
+    for t in threads:
+        t.join(30)
+    assert writepool.BACKGROUND_NICE == 3
+    assert seen == {"nxd_ckpt-write_0": min(19, base + 3), "other": base}
