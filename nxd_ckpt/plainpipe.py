@@ -145,8 +145,9 @@ class RecordPipe:
             nbytes = self._storages[meta.untyped_storage()._cdata][1]
             if data_at + nbytes > data_end:
                 raise self._corrupt(f"storage record {key} holds {data_end - data_at} bytes; its pickle needs {nbytes}")
-            if _extent(meta) > nbytes:     # torch.load's set_ refuses it too; a view here would read the next record
-                raise self._corrupt(f"has tensor {tid} reaching byte {_extent(meta)} of its storage record {key}, "
+            reach = _extent(meta)
+            if reach > nbytes:      # torch.load's set_ refuses it too; a view here would read the next record
+                raise self._corrupt(f"has tensor {tid} reaching byte {reach} of its storage record {key}, "
                                     f"which holds {nbytes} bytes")
             isz = meta.element_size()
             storage = self._buf.untyped_storage()

@@ -275,7 +275,9 @@ class FileReader:
             # ranges are fetched in parallel.
             block = READ_BLOCK if self.storage.caps.local else len(view)
             while got < len(view):
-                want = min(block, len(view) - got)
+                # The last piece takes the extra byte with the file's last bytes: alone, it would be read with
+                # nothing expected, i.e. not at all, and a longer file would pass.
+                want = len(view) - got if len(view) - got <= block + 1 else block
                 n = self.storage.read_into(full, view[got:got + want], got, expect=size - got if entry else None)
                 crc = _crc32c.crc32c(view[got:got + n], crc)
                 got += n
@@ -559,8 +561,9 @@ PIPELINE_INTRAOP_THREADS: Optional[int] = 1
 @contextlib.contextmanager
 def pipeline_threads():
     """For the block (the read pipelines of a load, on the loading thread): torch's intra-op threads set to
-    PIPELINE_INTRAOP_THREADS as seen from the calling thread (OpenMP's setting is per thread; threads created
-    meanwhile inherit it), then restored."""
+    PIPELINE_INTRAOP_THREADS, then restored for the calling thread. ``torch.set_num_threads`` also sets torch's
+    process-wide default, which a thread reads once, on its first parallel operation: another thread whose first
+    one falls inside the block keeps PIPELINE_INTRAOP_THREADS (threads that used torch before keep theirs)."""
     n, before = PIPELINE_INTRAOP_THREADS, torch.get_num_threads()
     if n is None or n >= before:
         yield

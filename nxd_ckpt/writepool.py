@@ -150,19 +150,21 @@ class WriteResult:
     nbytes: int
 
 
-#: Niceness of the save's background threads (writers, runner): the training loop's threads stay at their own
-#: priority and win the cores whenever both want them; the save takes what is left. Niceness weighs each thread
-#: apart, so 8 writers at +10 (weight 110 each) took about 30% of cores two training threads wanted; at +19
-#: (weight 15) about 5% (A/B in README "Levers measured": train_step_slowdown 1.67x -> 1.25x at 1 GB).
+#: Niceness of the save's background threads (writers, runner) above the process's: the training loop's threads
+#: stay at their own priority and win the cores whenever both want them; the save takes what is left. Niceness
+#: weighs each thread apart: 8 writers at +10 (weight 110 each) would take about 30% of cores two training
+#: threads want, at +19 (weight 15) about 5% (A/B in README "Levers measured": 1.67x against 1.25x at 1 GB).
 BACKGROUND_NICE = 19
 
 
 def lower_thread_priority() -> None:
     """Give the calling thread ``BACKGROUND_NICE`` more niceness than the process (Linux: niceness is per
-    thread; elsewhere, or when refused, the thread keeps its priority)."""
+    thread, and a new thread inherits its creator's, so this is counted from the process's main thread, not
+    from the calling thread; elsewhere, or when refused, the thread keeps its priority)."""
     try:
         tid = threading.get_native_id()
-        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, 0) + BACKGROUND_NICE))
+        base = os.getpriority(os.PRIO_PROCESS, os.getpid())
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, base + BACKGROUND_NICE))
     except (AttributeError, OSError):
         pass
 

@@ -19,6 +19,7 @@ saved once with nxd_ckpt (xser), loaded into a dict of XLA tensors with the page
   levers off);
 - ``group<KiB>`` (e.g. ``group4096``): as ``mapped``, small files in groups of that many KiB (``reader.GROUP_BYTES``);
 - ``workers<N>`` (e.g. ``workers2``): as ``mapped``, with ``num_workers=N`` instead of NxD's default 8;
+- ``switch<us>`` (e.g. ``switch500``): as ``mapped``, the GIL's switch interval set to that many microseconds;
 - ``no_groups``: as ``mapped``, one pool task per tensor file (``reader.GROUP_BYTES = 0``, what load_checkpoint
   did before);
 - ``no_tail_flush``: as ``mapped``, the pipeline's last batch moved to the device after the last read
@@ -63,7 +64,7 @@ def main() -> int:
     cache.mode = "posix_fadvise_dontneed"        # this run's files only: the machine is shared
     mapped_default = api.copies_every_tensor
     plain_refs = xser_api.load_plain_refs
-    intraop, group_bytes = reader.PIPELINE_INTRAOP_THREADS, reader.GROUP_BYTES
+    intraop, group_bytes, tail_flush = reader.PIPELINE_INTRAOP_THREADS, reader.GROUP_BYTES, reader.TAIL_FLUSH
     directory, read_into = tensorfile._directory, storage_base.Storage.read_into
 
     def probing_read_into(self, relpath, view, offset=0, on_range=None, expect=None):
@@ -73,7 +74,7 @@ def main() -> int:
         api.copies_every_tensor = mapped_default if variant != "buffered" else (lambda m, o: False)
         reader.PIPELINE_INTRAOP_THREADS = None if variant in ("omp_threads", "before_all") else intraop
         reader.GROUP_BYTES = 0 if variant in ("no_groups", "before_all") else group_bytes
-        reader.TAIL_FLUSH = variant not in ("no_tail_flush", "before_all")
+        reader.TAIL_FLUSH = tail_flush and variant not in ("no_tail_flush", "before_all")
         if variant.startswith("group"):
             reader.GROUP_BYTES = int(variant[len("group"):]) << 10
         xser_api.load_plain_refs = plain_refs if variant != "torch_refs" else (lambda data: (False, None))
@@ -104,7 +105,7 @@ def main() -> int:
     api.copies_every_tensor = mapped_default
     xser_api.load_plain_refs = plain_refs
     tensorfile._directory, storage_base.Storage.read_into = directory, read_into
-    reader.PIPELINE_INTRAOP_THREADS, reader.GROUP_BYTES, reader.TAIL_FLUSH = intraop, group_bytes, True
+    reader.PIPELINE_INTRAOP_THREADS, reader.GROUP_BYTES, reader.TAIL_FLUSH = intraop, group_bytes, tail_flush
     shutil.rmtree(args.dir, ignore_errors=True)
     out = {"bytes": nbytes, "tensors": args.tensors, "state": args.state, "rounds": args.rounds, "load1": loads,
            "median": bench.medians(res), "runs": res}

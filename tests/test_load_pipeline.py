@@ -234,6 +234,33 @@ def test_a_file_of_the_expected_size_is_read_in_one_call_and_a_longer_or_shorter
         assert len(calls) == {"exact": 1, "longer": 1, "shorter": 2}[name], (name, calls)
 
 
+def test_a_longer_file_shows_when_its_size_is_a_whole_number_of_read_blocks(tmp_path, monkeypatch):
+    """read_buffer reads in READ_BLOCK pieces into a buffer one byte longer than the manifest's size: when the size
+    is a multiple of the block, the extra byte goes with the last piece (alone, it was never read)."""
+    import nxd_ckpt
+    from nxd_ckpt import manifest as manifest_mod
+    from nxd_ckpt import reader
+    from nxd_ckpt.errors import CorruptCheckpointError
+    from nxd_ckpt.storage.local import LocalStorage
+
+    root = str(tmp_path / "ckpt")
+    nxd_ckpt.save_checkpoint(root, "a", model={"w": torch.arange(3000.0)}, use_xser=True)
+    storage = LocalStorage(root)
+    man = manifest_mod.read(storage, "a")
+    rel = next(r for r in man.files if "/tensor_" in r)
+    size = man.files[rel].size
+    rd = reader.FileReader(storage, "a", man)
+    for block in (size, size // 2 if size % 2 == 0 else size):
+        monkeypatch.setattr(reader, "READ_BLOCK", block)
+        assert torch.equal(rd.load_tensor(rel, mapped=False), torch.arange(3000.0))
+    with open(os.path.join(root, "a", rel), "ab") as f:
+        f.write(b"extra")
+    for block in (size, 1 << 20):
+        monkeypatch.setattr(reader, "READ_BLOCK", block)
+        with pytest.raises(CorruptCheckpointError):
+            rd.load_tensor(rel, mapped=False)
+
+
 def test_the_read_pipeline_runs_torch_with_one_intraop_thread_and_restores_the_setting(tmp_path, monkeypatch):
     import nxd_ckpt
     from nxd_ckpt import reader

@@ -153,3 +153,23 @@ def test_add_many_wakes_every_writer_already_waiting():
         w.join(timeout=10)
     assert not any(w.is_alive() for w in writers), got
     assert sorted(got) == ["a0", "a1", "a2"]
+
+
+def test_background_niceness_counts_from_the_process_not_the_creating_thread(monkeypatch):
+    """A writer thread is created by the runner, already niced, and inherits its niceness: the writer's own is
+    still the process's + BACKGROUND_NICE (it was the runner's + BACKGROUND_NICE)."""
+    import threading
+
+    monkeypatch.setattr(writepool, "BACKGROUND_NICE", 3)
+    base = os.getpriority(os.PRIO_PROCESS, os.getpid())
+    seen = []
+
+    def runner_like():
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), min(19, base + 1))   # only ever raised
+        writepool.lower_thread_priority()
+        seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+
+    t = threading.Thread(target=runner_like)
+    t.start()
+    t.join(30)
+    assert seen == [min(19, base + 3)]
