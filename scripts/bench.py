@@ -145,6 +145,11 @@ def fsync_tree(path):
             os.close(fd)
 
 
+#: Why --keep-tags exists (bench.py and the A/B scripts).
+KEEP_TAGS_WHY = ("on ext4 without a journal, as on this VM, creating files right after removing thousands costs "
+                 "0.2-0.7 ms of kernel CPU each")
+
+
 def ab_parser(doc: str, *, dir: str | None, rounds: int, size_gb: float = 1.0, tensors: int = 300,
               state: bool = True) -> "argparse.ArgumentParser":
     """The arguments every A/B script takes (state shape, rounds, folder, JSON out); ``dir=None``: required."""
@@ -160,8 +165,7 @@ def ab_parser(doc: str, *, dir: str | None, rounds: int, size_gb: float = 1.0, t
     p.add_argument("--out")
     p.add_argument("--keep-tags", action="store_true",
                    help="save each round into a folder of its own under --dir, all removed only at the end (the "
-                        "default empties --dir before each save; on ext4 without a journal, as on this VM, "
-                        "creating files right after removing thousands costs 0.2-0.7 ms of kernel CPU each)")
+                        f"default empties --dir before each save; {KEEP_TAGS_WHY})")
     return p
 
 
@@ -1292,9 +1296,8 @@ def main(argv=None) -> int:
     p.add_argument("--train-dim", type=int, default=1024)
     p.add_argument("--keep-tags", action="store_true",
                    help="each save (and each limit's file set) in a folder of its own, all removed only at the end "
-                        "of the run; the default removes a method's previous save right before its next one, and "
-                        "on ext4 without a journal, as on this VM, creating files right after removing thousands "
-                        "costs 0.2-0.7 ms of kernel CPU each. Needs disk for every save of the run")
+                        "of the run; the default removes a method's previous save right before its next one "
+                        f"({KEEP_TAGS_WHY}). Needs disk for every save of the run")
     p.add_argument("--skip-train", action="store_true")
     p.add_argument("--skip-rss", action="store_true", help="skip the per-method RSS peak saves")
     p.add_argument("--methods", default="", help="comma-separated subset (development)")
