@@ -593,8 +593,7 @@ def read_tensors(reader: FileReader, jobs: Dict[int, str], pool: ThreadPoolExecu
     sizes = {t: entries[jobs[t]].size if jobs[t] in entries else None for t in jobs}
     order = sorted(jobs, key=lambda t: -(sizes[t] or 0))
     out: Dict[int, torch.Tensor] = {}
-    batch: List[Tuple[int, torch.Tensor]] = []
-    held = 0                                     # bytes in ``batch``
+    moving = _Batch(targets, batch_bytes, out)
     pending: Dict[int, Future] = {}
     groups = read_groups(order, sizes)
     todo = enumerate(groups)
@@ -627,24 +626,39 @@ def read_tensors(reader: FileReader, jobs: Dict[int, str], pool: ThreadPoolExecu
                 raise error
             submit()
             for tid, tensor in done:
-                if tid not in targets:
+                if tid in targets:
+                    moving.add(tid, tensor)
+                else:
                     out[tid] = tensor
-                    continue
-                batch.append((tid, tensor))
-                held += tensor.nbytes
-                if held >= batch_bytes:
-                    out.update(_to_device(batch, targets))
-                    batch, held = [], 0
             # Every read handed out: what is in moves while the last reads run, not as one batch after them.
-            if batch and TAIL_FLUSH and done_groups + len(pending) == len(groups):
-                out.update(_to_device(batch, targets))
-                batch, held = [], 0
-        out.update(_to_device(batch, targets))
+            if moving.items and TAIL_FLUSH and done_groups + len(pending) == len(groups):
+                moving.flush()
+        moving.flush()
     except BaseException:
         for fut in pending.values():
             fut.cancel()
         raise
     return out
+
+
+class _Batch:
+    """The pipeline's tensors read and not yet on their devices: moved into ``out`` by one ``_to_device`` call
+    once they reach ``limit`` bytes (and by ``flush``), so the host holds at most about one batch of them."""
+
+    def __init__(self, targets: Dict[int, torch.device], limit: int, out: Dict[int, torch.Tensor]):
+        self.targets, self.limit, self.out = targets, limit, out
+        self.items: List[Tuple[int, torch.Tensor]] = []
+        self.held = 0
+
+    def add(self, tid: int, tensor: torch.Tensor) -> None:
+        self.items.append((tid, tensor))
+        self.held += tensor.nbytes
+        if self.held >= self.limit:
+            self.flush()
+
+    def flush(self) -> None:
+        self.out.update(_to_device(self.items, self.targets))
+        self.items, self.held = [], 0
 
 
 #: The pipeline's last reads: each finished one moved to its device at once (A/B knob).
