@@ -7,7 +7,8 @@ Levers: ``writeback`` (no early writeback against ``sync_file_range`` WRITE as e
 ``storage.local.WRITEBACK_MIN_BYTES`` or more is closed); ``createlock`` (local files created one at a time,
 ``storage.local.SERIAL_CREATE``: 1 against 0, concurrent creation); ``workers`` (``num_workers``, the writer threads:
 ``--before`` against ``--after``); ``nice`` (the background threads' niceness, ``writepool.BACKGROUND_NICE``: 10
-against 19).
+against 19); ``smallwriter`` (small files on a local filesystem written by one thread of their own,
+``writepool.SMALL_WRITER``: 0, by the ``num_workers`` threads, against 1).
 
     python scripts/ab_commit.py --lever writeback --size-gb 1 --tensors 300 --rounds 4 --out bench_out/ab_writeback_1gb.json
 
@@ -26,7 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import bench  # noqa: E402
 
-LEVERS = ("writeback", "workers", "createlock", "nice")
+LEVERS = ("writeback", "workers", "createlock", "nice", "smallwriter")
 _NEVER = 1 << 62
 
 
@@ -42,6 +43,10 @@ def _set_lever(lever: str, after: bool, values: dict, kw: dict) -> None:
         local.SERIAL_CREATE = bool(value)
     elif lever == "nice":
         bench.renice_background(value)
+    elif lever == "smallwriter":
+        from nxd_ckpt import writepool
+
+        writepool.SMALL_WRITER = bool(value)
 
 
 def main() -> int:
@@ -55,7 +60,7 @@ def main() -> int:
     from nxd_ckpt.storage import local
 
     defaults = {"writeback": (_NEVER, local.WRITEBACK_MIN_BYTES), "workers": (args.num_workers, args.num_workers),
-                "createlock": (1, 0), "nice": (10, 19)}
+                "createlock": (1, 0), "nice": (10, 19), "smallwriter": (0, 1)}
     values = {"before": defaults[args.lever][0] if args.before is None else args.before,
               "after": defaults[args.lever][1] if args.after is None else args.after}
     model, optim, _ = bench.build_state(int(args.size_gb * 1e9), args.tensors, bench.device(), args.state)

@@ -173,3 +173,64 @@ def test_background_niceness_counts_from_the_process_not_the_creating_thread(mon
     t.start()
     t.join(30)
     assert seen == [min(19, base + 3)]
+
+
+class _RemoteLike(LocalStorage):
+    """A POSIX storage that says what a network filesystem says: creations wait on the network."""
+
+    def small_files_one_writer(self) -> bool:
+        return False
+
+
+@pytest.mark.parametrize("remote", [False, True])
+def test_small_files_on_a_local_filesystem_go_to_one_thread_of_their_own(tmp_path, monkeypatch, remote):
+    """On a local filesystem every small file is written by the one small-file thread and every large one by the
+    num_workers threads; where creations wait on the network, small files spread over the num_workers threads."""
+    monkeypatch.setattr(writepool, "SMALL_BYTES", 1000)
+    monkeypatch.setattr(writepool, "BATCH_FILES", 1)      # one file per pool task: the spread is visible
+    start = threading.Barrier(2, timeout=10)
+    writers = {}
+
+    def produce(rel, data, meet):
+        def run(f):
+            writers[rel] = threading.current_thread().name
+            if meet:
+                start.wait()      # two large files in flight at once: two of the num_workers threads
+            f.write(data)
+        return run
+
+    budget = HostBudget(1 << 30)
+    q = TaskQueue()
+    for i in range(40):
+        data = b"s" * 100 if i % 10 else b"L" * 5000
+        q.add(WriteTask(f"f{i}", produce(f"f{i}", data, i in (0, 10)), budget.lease(len(data), timeout=5)))
+    q.close()
+    storage = (_RemoteLike if remote else LocalStorage)(str(tmp_path))
+    assert storage.small_files_one_writer() is (not remote)      # tmp_path: a local filesystem
+    res = WritePool().write_all(q, storage, "w", workers=4)
+    assert res.error is None and len(res.records) == 40
+    small = {writers[f"f{i}"] for i in range(40) if i % 10}
+    large = {writers[f"f{i}"] for i in range(0, 40, 10)}
+    assert all(name.startswith("nxd_ckpt-write") for name in large) and len(large) >= 2
+    if remote:
+        assert all(name.startswith("nxd_ckpt-write") for name in small)
+    else:
+        assert len(small) == 1 and small.pop().startswith("nxd_ckpt-small")
+    assert budget.used == 0
+
+
+def test_small_writer_off_sends_small_files_to_the_num_workers_threads(tmp_path, monkeypatch):
+    monkeypatch.setattr(writepool, "SMALL_WRITER", False)
+    names = set()
+    q = TaskQueue()
+    for i in range(8):
+        q.add(WriteTask(f"n_{i}", lambda f: (names.add(threading.current_thread().name), f.write(b"z"))))
+    q.close()
+    assert WritePool().write_all(q, LocalStorage(str(tmp_path)), "w", workers=2).error is None
+    assert names and all(n.startswith("nxd_ckpt-write") for n in names)
+
+
+def test_small_files_one_writer_is_told_by_the_nearest_existing_folder(tmp_path):
+    """A save into a folder not yet created asks the filesystem of its nearest existing parent."""
+    assert LocalStorage(str(tmp_path / "not" / "yet" / "there")).small_files_one_writer() is True
+    assert local._filesystem_type(str(tmp_path / "missing")) is None

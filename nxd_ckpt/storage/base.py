@@ -299,6 +299,12 @@ class Storage(ABC):
         """A filesystem path for the key when the backend is local (for memory-mapped reads), else None."""
         return None
 
+    def small_files_one_writer(self) -> bool:
+        """True when small files are written here fastest by one thread: creating one costs this host's CPU,
+        not a round trip (a local filesystem). False (object stores, network filesystems): every creation
+        waits on the network, so small files are written by all the writer threads at once."""
+        return False
+
     @contextlib.contextmanager
     def open_local(self, relpath: str) -> Iterator[Optional[LocalFile]]:
         """The key's local file held open for the ``with`` block (memory-mapped reads), or None when the

@@ -115,11 +115,22 @@ class LocalStorage(Storage):
         self.root = os.path.abspath(root)
         self._anchor = _SyncAnchor()
         self._create_lock = threading.Lock()
+        self._one_writer: Optional[bool] = None
 
     def path(self, relpath: str) -> str:
         return os.path.join(self.root, relpath) if relpath else self.root
 
     local_path = path
+
+    def small_files_one_writer(self) -> bool:
+        """True on a local filesystem (ext4, xfs, btrfs, tmpfs: see the write pool's ``SMALL_WRITER``), told by
+        the filesystem of the root or of its nearest existing parent; False on NFS, Lustre, FUSE."""
+        if self._one_writer is None:
+            probe = self.root
+            while not os.path.isdir(probe) and os.path.dirname(probe) != probe:
+                probe = os.path.dirname(probe)
+            self._one_writer = _filesystem_type(probe) in _LOCAL_FS_TYPES
+        return self._one_writer
 
     def child(self, relpath: str) -> "LocalStorage":
         return LocalStorage(self.path(relpath))
@@ -324,18 +335,29 @@ class _SyncAnchor:
                 pass
 
 
-#: statfs f_type of filesystems whose syncfs writes back and waits for every dirty page (and reports errors)
-_SYNCFS_TYPES = {0xEF53: "ext4", 0x58465342: "xfs", 0x9123683E: "btrfs", 0x01021994: "tmpfs"}
+#: statfs f_type of the local filesystems: their syncfs writes back and waits for every dirty page (and reports
+#: errors), and creating a file costs CPU, not a network round trip
+_LOCAL_FS_TYPES = {0xEF53: "ext4", 0x58465342: "xfs", 0x9123683E: "btrfs", 0x01021994: "tmpfs"}
+
+
+def _filesystem_type(target) -> Optional[int]:
+    """statfs f_type of the filesystem holding ``target`` (an open descriptor or a path); None when unknown."""
+    libc = _libc()
+    call = "fstatfs" if isinstance(target, int) else "statfs"
+    if libc is None or not hasattr(libc, call):
+        return None
+    buf = ctypes.create_string_buffer(256)        # struct statfs; f_type is its first field (a long)
+    arg = target if isinstance(target, int) else os.fsencode(target)
+    if getattr(libc, call)(arg, buf) != 0:
+        return None
+    return ctypes.c_long.from_buffer(buf).value
 
 
 def _syncfs_usable(fd: int) -> bool:
     libc = _libc()
-    if libc is None or not hasattr(libc, "syncfs") or not hasattr(libc, "fstatfs") or _kernel() < (5, 8):
+    if libc is None or not hasattr(libc, "syncfs") or _kernel() < (5, 8):
         return False
-    buf = ctypes.create_string_buffer(256)        # struct statfs; f_type is its first field (a long)
-    if libc.fstatfs(fd, buf) != 0:
-        return False
-    return ctypes.c_long.from_buffer(buf).value in _SYNCFS_TYPES
+    return _filesystem_type(fd) in _LOCAL_FS_TYPES
 
 
 def _syncfs(fd: int) -> None:
