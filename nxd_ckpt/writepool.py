@@ -53,9 +53,22 @@ def bytes_task(relpath: str, data: bytes) -> WriteTask:
     return WriteTask(relpath, lambda f: f.write(data))
 
 
-def tensor_producer(tensor: torch.Tensor) -> Callable:
-    """An xser tensor file's bytes."""
-    return lambda f: xser.write_tensor(tensor, f)
+class TensorProducer:
+    """An xser tensor file's bytes. One object per file, not a closure (a function, its cell and their tuple):
+    a save makes one per tensor file, and every object alive through a save is one more the garbage
+    collector counts towards its next full collection (0.2-0.3 s of a training process's heap)."""
+
+    __slots__ = ("tensor",)
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+
+    def __call__(self, f) -> None:
+        xser.write_tensor(self.tensor, f)
+
+
+def tensor_producer(tensor: torch.Tensor) -> TensorProducer:
+    return TensorProducer(tensor)
 
 
 @dataclass
