@@ -1,5 +1,5 @@
 """The write pool: a save's files, produced from host memory, written through Storage by ``num_workers``
-threads, then made durable in one batch.
+threads (and, on a local filesystem, the small ones by one thread of their own), then made durable in one batch.
 
 Knows nothing about ranks or commits (that is ``saveprotocol.py``). Each WriteTask holds the host staging
 memory of its bytes as a HostLease; the pool gives it back in :func:`_settle`, the one place a task ends,
@@ -31,11 +31,12 @@ _END = object()
 BATCH_FILES = 32
 BATCH_BYTES = 4 << 20
 SMALL_BYTES = 1 << 20
-#: On a local filesystem (``Storage.small_files_one_writer``) the batches of small files go to one writer thread of
-#: their own, and only larger files to the ``num_workers`` threads: such a file is a memory copy and a creation
-#: under the folder's lock, and eight threads passing the GIL and that lock between them on every system call
-#: spent 2.3x the CPU of one thread and took longer (5,000 files of 100 KB on tmpfs: 225-300 against 88-111 us of
-#: CPU per file; A/B in README "Levers measured"). False: every file goes to the ``num_workers`` threads.
+#: On a local filesystem (``Storage.small_files_one_writer``) the batches of small files (leases of SMALL_BYTES or
+#: less, and the unleased pickles) go to one writer thread of their own, and only larger files to the
+#: ``num_workers`` threads: such a file is a memory copy and a creation under the folder's lock, and eight threads
+#: passing the GIL and that lock between them on every system call spent 2 to 3.4 times the CPU of one thread and
+#: took longer (5,000 files of 100 KB on tmpfs: 225-300 against 88-111 us of CPU per file; A/B in README "Levers
+#: measured"). False: every file goes to the ``num_workers`` threads.
 SMALL_WRITER = True
 
 
@@ -55,8 +56,8 @@ def bytes_task(relpath: str, data: bytes) -> WriteTask:
 
 class TensorProducer:
     """An xser tensor file's bytes. One object per file, not a closure (a function, its cell and their tuple):
-    a save makes one per tensor file, and every object alive through a save is one more the garbage
-    collector counts towards its next full collection (0.2-0.3 s of a training process's heap)."""
+    a save makes one per tensor file, and every object alive through a save counts towards the garbage
+    collector's next full collection, which takes 0.2-0.3 s for a training process's heap here."""
 
     __slots__ = ("tensor",)
 
@@ -189,7 +190,8 @@ def lower_thread_priority() -> None:
 
 
 class WritePool:
-    """The writer threads of one process, resized to each save's ``num_workers``."""
+    """The writer threads of one process: ``num_workers`` of them (resized to each save's), plus one for the
+    small files on a local filesystem (``SMALL_WRITER``)."""
 
     def __init__(self):
         self._pool: Optional[ThreadPoolExecutor] = None

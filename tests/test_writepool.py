@@ -16,6 +16,20 @@ def _leased(budget: HostBudget, relpath: str, data: bytes) -> WriteTask:
     return WriteTask(relpath, lambda f: f.write(data), budget.lease(len(data), timeout=5))
 
 
+class _RemoteLike(LocalStorage):
+    """A POSIX storage that says what a network filesystem says: creations wait on the network."""
+
+    def small_files_one_writer(self) -> bool:
+        return False
+
+
+class _LocalLike(LocalStorage):
+    """A POSIX storage that says what a local filesystem says, whatever the test machine's /tmp is."""
+
+    def small_files_one_writer(self) -> bool:
+        return True
+
+
 def test_batches_take_only_what_is_queued_and_respect_caps(monkeypatch):
     monkeypatch.setattr(writepool, "SMALL_BYTES", 60)
     budget = HostBudget(1 << 30)
@@ -55,7 +69,7 @@ def test_write_all_batches_records_every_file_exactly(tmp_path, monkeypatch, ser
     for rel, data in payloads.items():
         q.add(_leased(budget, rel, data))
     q.close()
-    storage = LocalStorage(str(tmp_path))
+    storage = _RemoteLike(str(tmp_path))           # every file to the 4 num_workers threads
     storage._create_lock = lock = _CountingLock()
     res = WritePool().write_all(q, storage, "w", workers=4)
     # One at a time once the first file has told the filesystem is local (tmp_path is; the files the 4
@@ -92,7 +106,8 @@ def test_failure_inside_a_batch_releases_every_lease(tmp_path, monkeypatch, batc
     assert budget.used == 0
 
 
-def test_writer_threads_run_below_the_callers_priority(tmp_path):
+@pytest.mark.parametrize("nbytes", [0, 2 << 20])      # the small-file thread; the num_workers threads
+def test_writer_threads_run_below_the_callers_priority(tmp_path, nbytes):
     """The training loop keeps the cores it wants: every writer thread is BACKGROUND_NICE nicer than the
     process (Linux niceness is per thread), and the caller's own niceness is unchanged."""
     import threading
@@ -104,11 +119,12 @@ def test_writer_threads_run_below_the_callers_priority(tmp_path):
         f.write(b"z")
 
     base = os.getpriority(os.PRIO_PROCESS, 0)
+    budget = HostBudget(1 << 30)
     q = TaskQueue()
     for i in range(8):
-        q.add(WriteTask(f"n_{i}", produce))
+        q.add(WriteTask(f"n_{i}", produce, budget.lease(nbytes, timeout=5)))
     q.close()
-    res = WritePool().write_all(q, LocalStorage(str(tmp_path)), "w", workers=4)
+    res = WritePool().write_all(q, _LocalLike(str(tmp_path)), "w", workers=4)
     assert res.error is None
     assert seen == [min(19, base + writepool.BACKGROUND_NICE)] * 8
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == base
@@ -175,13 +191,6 @@ def test_background_niceness_counts_from_the_process_not_the_creating_thread(mon
     assert seen == [min(19, base + 3)]
 
 
-class _RemoteLike(LocalStorage):
-    """A POSIX storage that says what a network filesystem says: creations wait on the network."""
-
-    def small_files_one_writer(self) -> bool:
-        return False
-
-
 @pytest.mark.parametrize("remote", [False, True])
 def test_small_files_on_a_local_filesystem_go_to_one_thread_of_their_own(tmp_path, monkeypatch, remote):
     """On a local filesystem every small file is written by the one small-file thread and every large one by the
@@ -205,8 +214,7 @@ def test_small_files_on_a_local_filesystem_go_to_one_thread_of_their_own(tmp_pat
         data = b"s" * 100 if i % 10 else b"L" * 5000
         q.add(WriteTask(f"f{i}", produce(f"f{i}", data, i in (0, 10)), budget.lease(len(data), timeout=5)))
     q.close()
-    storage = (_RemoteLike if remote else LocalStorage)(str(tmp_path))
-    assert storage.small_files_one_writer() is (not remote)      # tmp_path: a local filesystem
+    storage = (_RemoteLike if remote else _LocalLike)(str(tmp_path))
     res = WritePool().write_all(q, storage, "w", workers=4)
     assert res.error is None and len(res.records) == 40
     small = {writers[f"f{i}"] for i in range(40) if i % 10}
@@ -226,11 +234,43 @@ def test_small_writer_off_sends_small_files_to_the_num_workers_threads(tmp_path,
     for i in range(8):
         q.add(WriteTask(f"n_{i}", lambda f: (names.add(threading.current_thread().name), f.write(b"z"))))
     q.close()
-    assert WritePool().write_all(q, LocalStorage(str(tmp_path)), "w", workers=2).error is None
+    assert WritePool().write_all(q, _LocalLike(str(tmp_path)), "w", workers=2).error is None
     assert names and all(n.startswith("nxd_ckpt-write") for n in names)
 
 
-def test_small_files_one_writer_is_told_by_the_nearest_existing_folder(tmp_path):
-    """A save into a folder not yet created asks the filesystem of its nearest existing parent."""
-    assert LocalStorage(str(tmp_path / "not" / "yet" / "there")).small_files_one_writer() is True
+@pytest.mark.parametrize("f_type, expected", [(0xEF53, True), (0x01021994, True), (0x6969, False),   # ext4, tmpfs, NFS
+                                              (0x0BD00BD0, False), (0x794C7630, False), (None, False)])  # Lustre, overlay
+def test_small_files_one_writer_is_told_by_the_nearest_existing_folder(tmp_path, monkeypatch, f_type, expected):
+    """A save into a folder not yet created asks the filesystem of its nearest existing parent, once."""
+    asked = []
+    monkeypatch.setattr(local, "_filesystem_type", lambda p: asked.append(p) or f_type)
+    storage = LocalStorage(str(tmp_path / "not" / "yet" / "there"))
+    assert storage.small_files_one_writer() is expected
+    assert storage.small_files_one_writer() is expected
+    assert asked == [str(tmp_path)]
+
+
+def test_filesystem_type_of_a_missing_path_is_unknown(tmp_path):
     assert local._filesystem_type(str(tmp_path / "missing")) is None
+
+
+@pytest.mark.parametrize("bad_is_small", [False, True])
+def test_a_failure_on_either_writer_drops_the_rest_and_releases_every_lease(tmp_path, monkeypatch, bad_is_small):
+    """A write that fails on the small-file thread or on a num_workers thread is the save's error, whatever the
+    other executor still has queued; every lease comes back."""
+    monkeypatch.setattr(writepool, "SMALL_BYTES", 1000)
+    budget = HostBudget(1 << 30)
+
+    def boom(f):
+        raise OSError(28, "No space left on device")
+
+    q = TaskQueue()
+    q.add(WriteTask("bad", boom, budget.lease(100 if bad_is_small else 5000, timeout=5)))
+    for i in range(50):
+        q.add(_leased(budget, f"s{i}", b"s" * 100))
+        if i % 10 == 0:
+            q.add(_leased(budget, f"L{i}", b"L" * 5000))
+    q.close()
+    res = WritePool().write_all(q, _LocalLike(str(tmp_path)), "w", workers=2)
+    assert res.error == "OSError: [Errno 28] No space left on device"
+    assert budget.used == 0

@@ -7,6 +7,7 @@ import errno
 import functools
 import os
 import shutil
+import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Iterable, Iterator, List, Optional, Tuple
@@ -124,7 +125,8 @@ class LocalStorage(Storage):
 
     def small_files_one_writer(self) -> bool:
         """True on a local filesystem (ext4, xfs, btrfs, tmpfs: see the write pool's ``SMALL_WRITER``), told by
-        the filesystem of the root or of its nearest existing parent; False on NFS, Lustre, FUSE."""
+        the filesystem of the root or of its nearest existing parent; False on anything else (NFS, Lustre,
+        FUSE, overlayfs, ZFS) and off Linux."""
         if self._one_writer is None:
             probe = self.root
             while not os.path.isdir(probe) and os.path.dirname(probe) != probe:
@@ -335,18 +337,22 @@ class _SyncAnchor:
                 pass
 
 
-#: statfs f_type of the local filesystems: their syncfs writes back and waits for every dirty page (and reports
-#: errors), and creating a file costs CPU, not a network round trip
-_LOCAL_FS_TYPES = {0xEF53: "ext4", 0x58465342: "xfs", 0x9123683E: "btrfs", 0x01021994: "tmpfs"}
+#: statfs f_type of filesystems whose syncfs writes back and waits for every dirty page (and reports errors)
+_SYNCFS_TYPES = {0xEF53: "ext4", 0x58465342: "xfs", 0x9123683E: "btrfs", 0x01021994: "tmpfs"}
+#: statfs f_type of the filesystems on which creating a file costs this host's CPU, not a network round trip
+#: (``LocalStorage.small_files_one_writer``); the same set today, kept apart because they are two facts
+_LOCAL_FS_TYPES = dict(_SYNCFS_TYPES)
 
 
 def _filesystem_type(target) -> Optional[int]:
-    """statfs f_type of the filesystem holding ``target`` (an open descriptor or a path); None when unknown."""
+    """statfs f_type of the filesystem holding ``target`` (an open descriptor or a path); None when unknown,
+    and off Linux (struct statfs has another layout there: f_type is not its first field, and macOS's is
+    2,168 bytes)."""
     libc = _libc()
     call = "fstatfs" if isinstance(target, int) else "statfs"
-    if libc is None or not hasattr(libc, call):
+    if not sys.platform.startswith("linux") or libc is None or not hasattr(libc, call):
         return None
-    buf = ctypes.create_string_buffer(256)        # struct statfs; f_type is its first field (a long)
+    buf = ctypes.create_string_buffer(256)        # Linux struct statfs (120 bytes); f_type is its first field, a long
     arg = target if isinstance(target, int) else os.fsencode(target)
     if getattr(libc, call)(arg, buf) != 0:
         return None
@@ -357,7 +363,7 @@ def _syncfs_usable(fd: int) -> bool:
     libc = _libc()
     if libc is None or not hasattr(libc, "syncfs") or _kernel() < (5, 8):
         return False
-    return _filesystem_type(fd) in _LOCAL_FS_TYPES
+    return _filesystem_type(fd) in _SYNCFS_TYPES
 
 
 def _syncfs(fd: int) -> None:
