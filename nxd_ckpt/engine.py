@@ -78,20 +78,25 @@ class Engine:
 
     def snapshot(self, job: SaveJob, plan: SavePlan, *, on_device: bool, timeout_s: float) -> None:
         """Feed the job every file of ``plan``. Blocks for the host copy (host mode) or only for the
-        on-device clone (device mode, host copy continues on a feeder thread)."""
-        head = [bytes_task(rel, data) for rel, data in plan.small_files.items()]
-        for shard in plan.shards:
-            if shard.xser and shard.writes_ref:
-                head.append(bytes_task(shard.relpath, shard.ref_bytes))
-                head.append(_info_task(shard))
-        units, tensors = _units(plan, job)
-        if on_device:
-            feeder = threading.Thread(target=self._feed_units,
-                                      args=(job, head, units, device_snapshot(tensors), timeout_s),
-                                      name="nxd_ckpt-d2h", daemon=True)
-            feeder.start()
-        else:
-            self._feed_units(job, head, units, tensors, timeout_s)
+        on-device clone (device mode, host copy continues on a feeder thread). A failure before the files are
+        handed out (the on-device clone, say) fails the job like a failed copy does, on every rank: raised by
+        this save when synchronous, else by the next call; the job's queue is always closed."""
+        try:
+            head = [bytes_task(rel, data) for rel, data in plan.small_files.items()]
+            for shard in plan.shards:
+                if shard.xser and shard.writes_ref:
+                    head.append(bytes_task(shard.relpath, shard.ref_bytes))
+                    head.append(_info_task(shard))
+            units, tensors = _units(plan, job)
+            if on_device:
+                threading.Thread(target=self._feed_units, args=(job, head, units, device_snapshot(tensors), timeout_s),
+                                 name="nxd_ckpt-d2h", daemon=True).start()
+                return
+        except BaseException as exc:  # noqa: BLE001 - reported through the job, as _feed_units does
+            job.tasks.add(failing_task(exc))
+            job.tasks.close()
+            return
+        self._feed_units(job, head, units, tensors, timeout_s)
 
     def _feed_units(self, job: SaveJob, head: List[WriteTask], units, tensors, timeout_s: float) -> None:
         """Copy the tensors of ``units`` to host in budget-sized chunks and hand each file to the writers with

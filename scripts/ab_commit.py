@@ -8,7 +8,8 @@ Levers: ``writeback`` (no early writeback against ``sync_file_range`` WRITE as e
 ``storage.local.SERIAL_CREATE``: 1 against 0, concurrent creation); ``workers`` (``num_workers``, the writer threads:
 ``--before`` against ``--after``); ``nice`` (the background threads' niceness, ``writepool.BACKGROUND_NICE``: 10
 against 19); ``smallwriter`` (small files on a local filesystem written by one thread of their own,
-``writepool.SMALL_WRITER``: 0, by the ``num_workers`` threads, against 1).
+``writepool.SMALL_WRITER``: 0, by the ``num_workers`` threads, against 1); ``gcpause`` (the garbage collector held
+while the caller is blocked in the snapshot, ``api.HOLD_GC_IN_STALL``: 0 against 1).
 
     python scripts/ab_commit.py --lever writeback --size-gb 1 --tensors 300 --rounds 4 --out bench_out/ab_writeback_1gb.json
 
@@ -27,7 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import bench  # noqa: E402
 
-LEVERS = ("writeback", "workers", "createlock", "nice", "smallwriter")
+LEVERS = ("writeback", "workers", "createlock", "nice", "smallwriter", "gcpause")
 _NEVER = 1 << 62
 
 
@@ -47,12 +48,17 @@ def _set_lever(lever: str, after: bool, values: dict, kw: dict) -> None:
         from nxd_ckpt import writepool
 
         writepool.SMALL_WRITER = bool(value)
+    elif lever == "gcpause":
+        from nxd_ckpt import api
+
+        api.HOLD_GC_IN_STALL = bool(value)
 
 
 def main() -> int:
     p = bench.ab_parser(__doc__, dir="/tmp/nxd_ckpt_ab_commit", rounds=4)
     p.add_argument("--lever", choices=LEVERS, required=True)
     p.add_argument("--num-workers", type=int, default=8)
+    p.add_argument("--device-snapshot", action="store_true", help="save with device_snapshot=True")
     p.add_argument("--before", type=int, help="the knob's value in 'before' (writeback: never started)")
     p.add_argument("--after", type=int, help="the knob's value in 'after' (writeback: the module's default)")
     args = p.parse_args()
@@ -60,11 +66,11 @@ def main() -> int:
     from nxd_ckpt.storage import local
 
     defaults = {"writeback": (_NEVER, local.WRITEBACK_MIN_BYTES), "workers": (args.num_workers, args.num_workers),
-                "createlock": (1, 0), "nice": (10, 19), "smallwriter": (0, 1)}
+                "createlock": (1, 0), "nice": (10, 19), "smallwriter": (0, 1), "gcpause": (0, 1)}
     values = {"before": defaults[args.lever][0] if args.before is None else args.before,
               "after": defaults[args.lever][1] if args.after is None else args.after}
     model, optim, _ = bench.build_state(int(args.size_gb * 1e9), args.tensors, bench.device(), args.state)
-    kw = {"model": model, "use_xser": True, "num_workers": args.num_workers,
+    kw = {"model": model, "use_xser": True, "num_workers": args.num_workers, "device_snapshot": args.device_snapshot,
           **({"optimizer": optim} if optim is not None else {})}
     nbytes = bench.nbytes({"model": model, "optimizer": optim} if optim is not None else model)
     cache = bench.Cache()
@@ -89,6 +95,8 @@ def main() -> int:
     out = {"lever": args.lever, "values": values, "bytes": nbytes, "tensors": args.tensors, "state": args.state,
            "rounds": args.rounds,
            "filesystem": _fs_type(args.dir), "load1": loads, "median": bench.medians(res),
+           "device_snapshot": args.device_snapshot,
+           "stall_s_rounds": {v: [round(x["stall_s"], 3) for x in res[v]] for v in res},
            "commit_s_rounds": {v: [round(x["commit_s"], 3) for x in res[v]] for v in res},
            "cpu_s_per_gb_rounds": {v: [round(x["cpu_s_per_gb"], 3) for x in res[v]] for v in res}}
     bench.print_json(out, args.out)

@@ -272,3 +272,69 @@ def test_exit_waits_for_the_save_in_flight(tmp_path):
     ) % (os.path.dirname(__file__), str(root))
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
     assert (root / "last" / "done").exists()
+
+
+@pytest.mark.parametrize("on_device", [False, True])
+@pytest.mark.parametrize("caller_gc", [True, False])
+def test_no_garbage_collection_while_the_caller_is_blocked_in_the_snapshot(tmp_path, monkeypatch, caller_gc,
+                                                                           on_device):
+    """The collector is held from planning to the end of the host snapshot (with device_snapshot, only while
+    planning: the clones start the background copy) and given back as the caller had it, also when planning
+    fails."""
+    import gc
+
+    import nxd_ckpt
+    import nxd_ckpt.api as api_mod
+    import nxd_ckpt.engine as engine_mod
+
+    seen = {}
+    real_plan, real_snapshot = api_mod.build_plan, engine_mod.Engine.snapshot
+
+    def plan(*a, **kw):
+        seen["plan"] = gc.isenabled()
+        if seen.get("fail"):
+            raise RuntimeError("planning broke (injected)")
+        return real_plan(*a, **kw)
+
+    def snapshot(self, *a, **kw):
+        seen["snapshot"] = gc.isenabled()
+        return real_snapshot(self, *a, **kw)
+
+    monkeypatch.setattr(api_mod, "build_plan", plan)
+    monkeypatch.setattr(engine_mod.Engine, "snapshot", snapshot)
+    state = {"w": torch.arange(8.0).to(xla_device())}
+    (gc.enable if caller_gc else gc.disable)()
+    try:
+        nxd_ckpt.save_checkpoint(str(tmp_path / "ck"), "a", model=state, use_xser=True, device_snapshot=on_device)
+        assert seen == {"plan": False, "snapshot": caller_gc if on_device else False}
+        assert gc.isenabled() is caller_gc
+        seen["fail"] = True
+        with pytest.raises(RuntimeError, match="planning broke"):
+            nxd_ckpt.save_checkpoint(str(tmp_path / "ck"), "b", model=state, use_xser=True)
+        assert gc.isenabled() is caller_gc
+        assert nxd_ckpt.list_checkpoints(str(tmp_path / "ck")) == ["a"]
+    finally:
+        gc.enable()
+
+
+def test_a_failed_device_clone_fails_the_save_on_every_path_and_the_next_save_works(tmp_path, monkeypatch):
+    """The on-device clone fails (device memory, say) before any file is handed out: the save fails like a
+    failed copy, earlier checkpoints stay, and the next save is not stuck behind a job waiting for files."""
+    import nxd_ckpt
+    import nxd_ckpt.engine as engine_mod
+
+    root = str(tmp_path / "ckpt")
+    state = {"w": torch.arange(8.0).to(xla_device())}
+    nxd_ckpt.save_checkpoint(root, "good", model=state, use_xser=True)
+    real = engine_mod.device_snapshot
+
+    def broken(tensors):
+        raise RuntimeError("device out of memory (injected)")
+
+    monkeypatch.setattr(engine_mod, "device_snapshot", broken)
+    with pytest.raises(nxd_ckpt.RankFailureError, match="device out of memory"):
+        nxd_ckpt.save_checkpoint(root, "bad", model=state, use_xser=True, device_snapshot=True, timeout_s=60)
+    monkeypatch.setattr(engine_mod, "device_snapshot", real)
+    nxd_ckpt.save_checkpoint(root, "next", model=state, use_xser=True, device_snapshot=True, timeout_s=60)
+    assert sorted(nxd_ckpt.list_checkpoints(root)) == ["good", "next"]
+    assert engine_mod.get_engine().budget.used == 0
