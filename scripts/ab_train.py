@@ -9,7 +9,9 @@
   nxd_ckpt's buffers kept;
 - ``after_dcp``: one dcp_async save of a host copy and its rmtree first;
 - ``nice<N>`` (e.g. ``nice19``): the save's background threads (runner, writers) at niceness +N
-  (``writepool.BACKGROUND_NICE``; the threads that already exist are reniced too).
+  (``writepool.BACKGROUND_NICE``; the threads that already exist are reniced too);
+- ``no_small_writer``: small files on a local filesystem written by the ``num_workers`` threads like the others
+  (``writepool.SMALL_WRITER = False``).
 
 Every result is printed in run order too, so a lasting effect (one variant changing every later round) shows.
 
@@ -45,6 +47,7 @@ def main() -> int:
 
     def prep(variant: str) -> None:
         bench.renice_background(int(variant[len("nice"):]) if variant.startswith("nice") else default_nice)
+        writepool.SMALL_WRITER = variant != "no_small_writer"
         if variant == "released":
             nxd_ckpt.release_host_buffers()
             bench.trim_heap()
