@@ -238,8 +238,9 @@ def test_small_writer_off_sends_small_files_to_the_num_workers_threads(tmp_path,
     assert names and all(n.startswith("nxd_ckpt-write") for n in names)
 
 
-@pytest.mark.parametrize("f_type, expected", [(0xEF53, True), (0x01021994, True), (0x6969, False),   # ext4, tmpfs, NFS
-                                              (0x0BD00BD0, False), (0x794C7630, False), (None, False)])  # Lustre, overlay
+# ext4, tmpfs, NFS, Lustre, overlayfs, unknown
+@pytest.mark.parametrize("f_type, expected", [(0xEF53, True), (0x01021994, True), (0x6969, False),
+                                              (0x0BD00BD0, False), (0x794C7630, False), (None, False)])
 def test_small_files_one_writer_is_told_by_the_nearest_existing_folder(tmp_path, monkeypatch, f_type, expected):
     """A save into a folder not yet created asks the filesystem of its nearest existing parent, once."""
     asked = []
