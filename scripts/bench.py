@@ -385,8 +385,8 @@ def limit_d2h_chunked(vals):
 
 def limit_h2d(host, dev):
     """One batched host-to-device transfer of ``host``, timed. The caller trims the heap first, as before every
-    load, outside its CPU clock: the transfer then faults in its new memory (torch-xla's staging copy of each tensor, and the device
-    buffers on PJRT CPU) as a load does. Without the trim it reused the memory the device-to-host copy had
+    load, outside its CPU clock: the transfer then faults in its new memory (torch-xla's staging copy of each
+    tensor, and the device buffers on PJRT CPU) as a load does. Without the trim it reused the memory the device-to-host copy had
     just freed: 55-336 MB faulted per GB against 1.1 GB in a load, 0.10 s against 0.5 s and more."""
     _, xm = xla()
     t = time.perf_counter()
