@@ -18,6 +18,7 @@ from .saveprotocol import ManifestInfo, SaveJob, SaveRunner, SaveStats
 from .staging import (HostBudget, HostBufferPool, chunk_by_bytes, copy_to_host, default_host_budget,
                       device_snapshot)
 from .storage import Storage
+from .storage.local import BOUNCES
 from .world import World
 from .writepool import WriteTask, bytes_task, failing_task, plain_shard_producer, tensor_producer
 
@@ -152,8 +153,9 @@ class Engine:
         return tasks
 
     def release_buffers(self) -> int:
-        """Drop the snapshot buffers kept between saves (those of saves in flight when they are written)."""
-        return self.buffers.release() if self.buffers is not None else 0
+        """Drop the snapshot buffers kept between saves (those of saves in flight when they are written), and
+        the direct writes' bounce buffers not in use."""
+        return (self.buffers.release() if self.buffers is not None else 0) + BOUNCES.release()
 
     def wait(self, job: SaveJob, timeout_s: float) -> None:
         """Block the caller (a synchronous save) until ``job`` is committed or failed; raise its error.

@@ -294,7 +294,8 @@ def _write_one(storage: Storage, workdir: str, task: WriteTask) -> FileRecord:
                 raise seen[0] from exc
             raise
 
-    rec = storage.write_file(f"{workdir}/{task.relpath}", produce, durable=False, atomic=False)
+    rec = storage.write_file(f"{workdir}/{task.relpath}", produce, durable=False, atomic=False,
+                             size_hint=task.lease.nbytes)
     ranges = task.produce.ranges if isinstance(task.produce, PlainShardProducer) else None
     return FileRecord(task.relpath, rec.size, rec.crc32c, ranges)
 

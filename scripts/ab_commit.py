@@ -9,7 +9,11 @@ Levers: ``writeback`` (no early writeback against ``sync_file_range`` WRITE as e
 ``--before`` against ``--after``); ``nice`` (the background threads' niceness, ``writepool.BACKGROUND_NICE``: 10
 against 19); ``smallwriter`` (small files on a local filesystem written by one thread of their own,
 ``writepool.SMALL_WRITER``: 0, by the ``num_workers`` threads, against 1); ``gcpause`` (the garbage collector held
-while the caller is blocked in the snapshot, ``api.HOLD_GC_IN_STALL``: 0 against 1).
+while the caller is blocked in the snapshot, ``api.HOLD_GC_IN_STALL``: 0 against 1); ``direct`` (large files
+written with O_DIRECT past the page cache, ``storage.local.DIRECT_WRITES``: 0 against 1).
+
+Besides the process's CPU (``cpu_s_per_gb``) each round records the whole host's (``host_cpu_s_per_gb``, from
+``/proc/stat``): the kernel's writeback threads write the page cache's dirty pages on the process's behalf.
 
     python scripts/ab_commit.py --lever writeback --size-gb 1 --tensors 300 --rounds 4 --out bench_out/ab_writeback_1gb.json
 
@@ -28,7 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import bench  # noqa: E402
 
-LEVERS = ("writeback", "workers", "createlock", "nice", "smallwriter", "gcpause")
+LEVERS = ("writeback", "workers", "createlock", "nice", "smallwriter", "gcpause", "direct")
 _NEVER = 1 << 62
 
 
@@ -52,6 +56,8 @@ def _set_lever(lever: str, after: bool, values: dict, kw: dict) -> None:
         from nxd_ckpt import api
 
         api.HOLD_GC_IN_STALL = bool(value)
+    elif lever == "direct":
+        local.DIRECT_WRITES = bool(value)
 
 
 def main() -> int:
@@ -66,7 +72,8 @@ def main() -> int:
     from nxd_ckpt.storage import local
 
     defaults = {"writeback": (_NEVER, local.WRITEBACK_MIN_BYTES), "workers": (args.num_workers, args.num_workers),
-                "createlock": (1, 0), "nice": (10, 19), "smallwriter": (0, 1), "gcpause": (0, 1)}
+                "createlock": (1, 0), "nice": (10, 19), "smallwriter": (0, 1), "gcpause": (0, 1),
+                "direct": (0, 1)}
     values = {"before": defaults[args.lever][0] if args.before is None else args.before,
               "after": defaults[args.lever][1] if args.after is None else args.after}
     model, optim, _ = bench.build_state(int(args.size_gb * 1e9), args.tensors, bench.device(), args.state)
@@ -80,14 +87,15 @@ def main() -> int:
         root = bench.ab_save_dir(args, variant, i)
         bench.trim_heap()
         cache.drop(root)
-        c0, t0 = bench.cpu_time(), time.perf_counter()
+        c0, h0, t0 = bench.cpu_time(), bench.host_cpu_time(), time.perf_counter()
         nxd_ckpt.save_checkpoint(root, f"t{i}", async_save=True, **kw)
         stall = time.perf_counter() - t0
         nxd_ckpt.finalize_checkpoint()
         st = nxd_ckpt.save_stats()[-1]
         gb = nbytes / 1e9
         return {"stall_s": stall, "write_done_s": st["write_done_s"], "commit_s": st["commit_s"],
-                "commit_gbps": gb / st["commit_s"], "cpu_s_per_gb": (bench.cpu_time() - c0) / gb}
+                "commit_gbps": gb / st["commit_s"], "cpu_s_per_gb": (bench.cpu_time() - c0) / gb,
+                "host_cpu_s_per_gb": (bench.host_cpu_time() - h0) / gb}
 
     shutil.rmtree(args.dir, ignore_errors=True)
     res, loads = bench.alternate(("before", "after"), one, args.rounds)
@@ -98,7 +106,8 @@ def main() -> int:
            "device_snapshot": args.device_snapshot,
            "stall_s_rounds": {v: [round(x["stall_s"], 3) for x in res[v]] for v in res},
            "commit_s_rounds": {v: [round(x["commit_s"], 3) for x in res[v]] for v in res},
-           "cpu_s_per_gb_rounds": {v: [round(x["cpu_s_per_gb"], 3) for x in res[v]] for v in res}}
+           "cpu_s_per_gb_rounds": {v: [round(x["cpu_s_per_gb"], 3) for x in res[v]] for v in res},
+           "host_cpu_s_per_gb_rounds": {v: [round(x["host_cpu_s_per_gb"], 3) for x in res[v]] for v in res}}
     bench.print_json(out, args.out)
     return 0
 

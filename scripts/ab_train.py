@@ -11,7 +11,8 @@
 - ``nice<N>`` (e.g. ``nice19``): the save's background threads (runner, writers) at niceness +N
   (``writepool.BACKGROUND_NICE``; the threads that already exist are reniced too);
 - ``no_small_writer``: small files on a local filesystem written by the ``num_workers`` threads like the others
-  (``writepool.SMALL_WRITER = False``).
+  (``writepool.SMALL_WRITER = False``);
+- ``no_direct``: every file written through the page cache (``storage.local.DIRECT_WRITES = False``).
 
 Every result is printed in run order too, so a lasting effect (one variant changing every later round) shows.
 
@@ -42,12 +43,14 @@ def main() -> int:
     order = []
 
     from nxd_ckpt import writepool
+    from nxd_ckpt.storage import local
 
     default_nice = writepool.BACKGROUND_NICE
 
     def prep(variant: str) -> None:
         bench.renice_background(int(variant[len("nice"):]) if variant.startswith("nice") else default_nice)
         writepool.SMALL_WRITER = variant != "no_small_writer"
+        local.DIRECT_WRITES = variant != "no_direct"
         if variant == "released":
             nxd_ckpt.release_host_buffers()
             bench.trim_heap()

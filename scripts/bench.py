@@ -356,6 +356,17 @@ def cpu_time() -> float:
     return r.ru_utime + r.ru_stime
 
 
+def host_cpu_time() -> float:
+    """CPU seconds every core of the host has been busy (``/proc/stat``: all but idle and iowait), which
+    also counts the kernel's writeback threads that write a process's dirty pages; 0.0 off Linux."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return 0.0
+    return (sum(fields) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
+
+
 # --- limits --------------------------------------------------------------------------------------------
 def minor_faults() -> int:
     import resource

@@ -157,9 +157,10 @@ class Storage(ABC):
 
     # --- the verbs a backend implements ---------------------------------------------------------------
     @abstractmethod
-    def _sink(self, relpath: str, atomic: bool, exclusive: bool) -> Sink:
+    def _sink(self, relpath: str, atomic: bool, exclusive: bool, size_hint: int = 0) -> Sink:
         """Open the destination of one file. ``atomic``: readers never see a partial file under the key
-        (POSIX: temporary name + rename; objects are atomic anyway)."""
+        (POSIX: temporary name + rename; objects are atomic anyway). ``size_hint``: about how many bytes the
+        file will have (0: unknown), for a backend that writes large files another way."""
 
     @abstractmethod
     def read(self, relpath: str, offset: int = 0, length: Optional[int] = None) -> bytes:
@@ -186,14 +187,16 @@ class Storage(ABC):
 
     # --- derived, one place for all backends ------------------------------------------------------------
     def write_file(self, relpath: str, produce: Callable, *, durable: bool = True, atomic: bool = True,
-                   exclusive: bool = False) -> FileRecord:
+                   exclusive: bool = False, size_hint: int = 0) -> FileRecord:
         """Call ``produce(fileobj)`` to write ``relpath``; the bytes are CRC32C-checksummed and counted as
         they pass. ``durable=False``: the caller makes the file durable later with ``sync_files``.
         ``atomic=False``: a crash may leave a partial file under its key (only for files inside an
-        uncommitted staging directory). Blocks until the backend acknowledged the write."""
+        uncommitted staging directory). ``size_hint``: the bytes ``produce`` is expected to write, when known
+        (a local disk writes large files past the page cache). Blocks until the backend acknowledged the
+        write."""
         if _write_hook is not None:
             _write_hook(relpath)
-        sink = self._sink(relpath, atomic, exclusive)
+        sink = self._sink(relpath, atomic, exclusive, size_hint)
         try:
             writer = _CountingWriter(sink, relpath)
             produce(writer)

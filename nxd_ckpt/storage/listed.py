@@ -95,7 +95,7 @@ class ListedStorage(Storage):
         return self.inner.read(full, offset, length)
 
     # --- a view is read-only ---------------------------------------------------------------------------
-    def _sink(self, relpath: str, atomic: bool, exclusive: bool) -> Sink:
+    def _sink(self, relpath: str, atomic: bool, exclusive: bool, size_hint: int = 0) -> Sink:
         raise PermissionError(f"{self.root} is a read-only listing")
 
     def delete_many(self, relpaths: Iterable[str]) -> None:

@@ -110,7 +110,7 @@ class ObjectStorage(Storage):
         up, _, name = self.prefix.rpartition("/")
         return type(self)(self.bucket, up, self.root[: -len(name) - 1]), name
 
-    def _sink(self, relpath: str, atomic: bool, exclusive: bool) -> Sink:
+    def _sink(self, relpath: str, atomic: bool, exclusive: bool, size_hint: int = 0) -> Sink:
         return self.bucket.sink(self.key(relpath), exclusive)
 
     def read(self, relpath: str, offset: int = 0, length: Optional[int] = None) -> bytes:

@@ -1,0 +1,136 @@
+"""Large files on a local disk are written with O_DIRECT from a bounce buffer: exact bytes for every length,
+buffered where the filesystem refuses, nothing left behind by a failure, and only where it pays."""
+import errno
+import os
+
+import crc32c
+import pytest
+import torch
+
+import xser
+from nxd_ckpt import writepool
+from nxd_ckpt.staging import HostBudget
+from nxd_ckpt.storage import local
+from nxd_ckpt.storage.local import DIRECT_CHUNK, LocalStorage
+from nxd_ckpt.writepool import TaskQueue, WritePool, WriteTask
+
+EXT4, TMPFS, NFS, LUSTRE = 0xEF53, 0x01021994, 0x6969, 0x0BD00BD0
+MIB = 1 << 20
+
+
+@pytest.fixture
+def opened(monkeypatch, tmp_path):
+    """The flags of every file opened under tmp_path, with the filesystem told to be ext4."""
+    monkeypatch.setattr(local, "_filesystem_type", lambda p: EXT4)
+    flags = {}
+    real_open = os.open
+
+    def spy(path, fl, *a, **kw):
+        if str(path).startswith(str(tmp_path)) and fl & os.O_CREAT:
+            flags[os.path.basename(path)] = fl
+        return real_open(path, fl, *a, **kw)
+
+    monkeypatch.setattr(os, "open", spy)
+    return flags
+
+
+def _write(storage: LocalStorage, rel: str, pieces, hint: int):
+    def produce(f):
+        for p in pieces:
+            f.write(p)
+    return storage.write_file(rel, produce, durable=False, atomic=False, size_hint=hint)
+
+
+@pytest.mark.parametrize("n", [0, 1, 4095, 4096, 4097, MIB, DIRECT_CHUNK - 1, DIRECT_CHUNK, DIRECT_CHUNK + 1,
+                               2 * DIRECT_CHUNK + 12345])
+def test_direct_file_holds_exactly_the_bytes_written_for_every_length(tmp_path, opened, n):
+    """Header, data in uneven pieces (writable: copied without the GIL) and trailer, as xser writes them."""
+    data = os.urandom(n)
+    pieces = [b"h" * 333] + [bytearray(data[i:i + 700_001]) for i in range(0, n, 700_001)] + [b"tail"]
+    storage = LocalStorage(str(tmp_path))
+    rec = _write(storage, "d/f", pieces, hint=2 * MIB)
+    expect = b"h" * 333 + data + b"tail"
+    assert opened["f"] & os.O_DIRECT
+    with open(tmp_path / "d" / "f", "rb") as f:
+        assert f.read() == expect
+    assert (rec.size, rec.crc32c) == (len(expect), crc32c.crc32c(expect))
+
+
+@pytest.mark.parametrize("f_type, hint, direct_writes, expected", [
+    (EXT4, MIB, True, True), (EXT4, MIB - 1, True, False), (EXT4, 0, True, False), (EXT4, 64 * MIB, False, False),
+    (TMPFS, 64 * MIB, True, False), (NFS, 64 * MIB, True, False), (LUSTRE, 64 * MIB, True, False),
+    (None, 64 * MIB, True, False)])
+def test_only_large_files_on_a_local_disk_are_written_directly(tmp_path, monkeypatch, f_type, hint, direct_writes,
+                                                                expected):
+    monkeypatch.setattr(local, "_filesystem_type", lambda p: f_type)
+    monkeypatch.setattr(local, "DIRECT_WRITES", direct_writes)
+    flags = []
+    real_open = os.open
+    monkeypatch.setattr(os, "open", lambda p, fl, *a: flags.append(fl) or real_open(p, fl, *a))
+    _write(LocalStorage(str(tmp_path)), "f", [b"x" * 5000], hint)
+    assert bool(flags[0] & os.O_DIRECT) is expected
+    assert (tmp_path / "f").read_bytes() == b"x" * 5000
+
+
+def test_a_filesystem_that_refuses_o_direct_at_open_gets_the_bytes_buffered(tmp_path, opened, monkeypatch):
+    spied = os.open
+
+    def refuse(path, fl, *a):
+        if fl & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument", path)
+        return spied(path, fl, *a)
+
+    monkeypatch.setattr(os, "open", refuse)
+    data = os.urandom(DIRECT_CHUNK + 5)
+    _write(LocalStorage(str(tmp_path)), "sub/f", [data], hint=8 * MIB)
+    assert not opened["f"] & os.O_DIRECT
+    assert (tmp_path / "sub" / "f").read_bytes() == data
+
+
+@pytest.mark.parametrize("refused_at", [0, 1])
+def test_a_direct_write_refused_with_einval_goes_on_buffered(tmp_path, opened, monkeypatch, refused_at):
+    """A device with another alignment: the chunk refused and every later one are written buffered."""
+    real_pwrite, calls = os.pwrite, []
+
+    def pwrite(fd, view, offset):
+        calls.append(offset)
+        if len(calls) == refused_at + 1:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_pwrite(fd, view, offset)
+
+    monkeypatch.setattr(os, "pwrite", pwrite)
+    data = os.urandom(2 * DIRECT_CHUNK + 777)
+    _write(LocalStorage(str(tmp_path)), "f", [b"head", data], hint=8 * MIB)
+    assert (tmp_path / "f").read_bytes() == b"head" + data
+
+
+def test_a_failed_direct_write_leaves_no_file_and_gives_its_bounce_buffer_back(tmp_path, opened, monkeypatch):
+    storage = LocalStorage(str(tmp_path))
+    _write(storage, "warm", [b"w" * 10], hint=8 * MIB)      # one bounce buffer now free
+    free = len(local.BOUNCES._free)
+
+    def full(fd, view, offset):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "pwrite", full)
+    with pytest.raises(OSError) as err:
+        _write(storage, "f", [os.urandom(DIRECT_CHUNK + 1)], hint=8 * MIB)
+    assert err.value.errno == errno.ENOSPC
+    assert not (tmp_path / "f").exists()
+    assert len(local.BOUNCES._free) == free
+
+
+def test_the_write_pool_hints_each_files_leased_bytes_and_its_tensor_files_load(tmp_path, opened):
+    """A save's large tensor files go direct and load bit-exact with xser; a small one stays buffered."""
+    big, small = torch.randn(700, 1000), torch.randn(10)
+    budget = HostBudget(64 * MIB)
+    q = TaskQueue()
+    for name, t in (("big.pt", big), ("small.pt", small)):
+        q.add(WriteTask(name, writepool.tensor_producer(t), budget.lease(t.numel() * t.element_size(), timeout=5)))
+    q.close()
+    res = WritePool().write_all(q, LocalStorage(str(tmp_path)), "w", workers=2)
+    assert res.error is None
+    assert opened["big.pt"] & os.O_DIRECT and not opened["small.pt"] & os.O_DIRECT
+    for name, t in (("big.pt", big), ("small.pt", small)):
+        assert torch.equal(xser.read_tensor(str(tmp_path / "w" / name)), t)
+        assert (tmp_path / "w" / name).read_bytes() == xser.tensor_to_bytes(t)
