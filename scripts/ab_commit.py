@@ -10,7 +10,8 @@ Levers: ``writeback`` (no early writeback against ``sync_file_range`` WRITE as e
 against 19); ``smallwriter`` (small files on a local filesystem written by one thread of their own,
 ``writepool.SMALL_WRITER``: 0, by the ``num_workers`` threads, against 1); ``gcpause`` (the garbage collector held
 while the caller is blocked in the snapshot, ``api.HOLD_GC_IN_STALL``: 0 against 1); ``direct`` (large files
-written with O_DIRECT past the page cache, ``storage.local.DIRECT_WRITES``: 0 against 1).
+written with O_DIRECT past the page cache, ``storage.local.DIRECT_WRITES``: 0 against 1); ``reserve`` (a direct file's
+blocks reserved in one piece before its first write, ``storage.local.RESERVE_BLOCKS``: 0 against 1).
 
 Besides the process's CPU (``cpu_s_per_gb``) each round records the whole host's (``host_cpu_s_per_gb``, from
 ``/proc/stat``): the kernel's writeback threads write the page cache's dirty pages on the process's behalf.
@@ -32,7 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import bench  # noqa: E402
 
-LEVERS = ("writeback", "workers", "createlock", "nice", "smallwriter", "gcpause", "direct")
+LEVERS = ("writeback", "workers", "createlock", "nice", "smallwriter", "gcpause", "direct", "reserve")
 _NEVER = 1 << 62
 
 
@@ -58,6 +59,8 @@ def _set_lever(lever: str, after: bool, values: dict, kw: dict) -> None:
         api.HOLD_GC_IN_STALL = bool(value)
     elif lever == "direct":
         local.DIRECT_WRITES = bool(value)
+    elif lever == "reserve":
+        local.RESERVE_BLOCKS = bool(value)
 
 
 def main() -> int:
@@ -73,7 +76,7 @@ def main() -> int:
 
     defaults = {"writeback": (_NEVER, local.WRITEBACK_MIN_BYTES), "workers": (args.num_workers, args.num_workers),
                 "createlock": (1, 0), "nice": (10, 19), "smallwriter": (0, 1), "gcpause": (0, 1),
-                "direct": (0, 1)}
+                "direct": (0, 1), "reserve": (0, 1)}
     values = {"before": defaults[args.lever][0] if args.before is None else args.before,
               "after": defaults[args.lever][1] if args.after is None else args.after}
     model, optim, _ = bench.build_state(int(args.size_gb * 1e9), args.tensors, bench.device(), args.state)

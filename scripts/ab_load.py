@@ -23,7 +23,10 @@ saved once with nxd_ckpt (xser), loaded into a dict of XLA tensors with the page
 - ``no_groups``: as ``mapped``, one pool task per tensor file (``reader.GROUP_BYTES = 0``, what load_checkpoint
   did before);
 - ``no_tail_flush``: as ``mapped``, the pipeline's last batch moved to the device after the last read
-  (``reader.TAIL_FLUSH = False``, what load_checkpoint did before).
+  (``reader.TAIL_FLUSH = False``, what load_checkpoint did before);
+- ``written_buffered``: as ``mapped``, a second save of the same state written through the page cache
+  (``storage.local.DIRECT_WRITES = False``): whether the files' layout on disk from ``O_DIRECT`` writes
+  changes the load.
 
     python scripts/ab_load.py --size-gb 1 --tensors 300 --rounds 4 --dir /tmp/ab_load --out bench_out/ab_load.json
 """
@@ -49,6 +52,7 @@ def main() -> int:
     import nxd_ckpt
     import nxd_ckpt.api as api
     from nxd_ckpt import reader
+    from nxd_ckpt.storage import local
     import xser.api as xser_api
     from nxd_ckpt.storage import base as storage_base
     from xser import tensorfile
@@ -58,6 +62,10 @@ def main() -> int:
     model, optim, _ = bench.build_state(int(args.size_gb * 1e9), args.tensors, dev, args.state)
     shutil.rmtree(args.dir, ignore_errors=True)
     nxd_ckpt.save_checkpoint(args.dir, "t", model=model, optimizer=optim, use_xser=True)
+    if "written_buffered" in variants:
+        local.DIRECT_WRITES = False
+        nxd_ckpt.save_checkpoint(args.dir, "tb", model=model, optimizer=optim, use_xser=True, num_kept_ckpts=2)
+        local.DIRECT_WRITES = True
     nxd_ckpt.release_host_buffers()
     nbytes = bench.nbytes({"model": model, "optimizer": optim} if optim is not None else model)
     cache = bench.Cache()
@@ -93,7 +101,8 @@ def main() -> int:
         if variant.startswith("switch"):       # e.g. switch500: the GIL's switch interval 500 us during the load
             sys.setswitchinterval(int(variant[len("switch"):]) * 1e-6)
         workers = int(variant[len("workers"):]) if variant.startswith("workers") else 8
-        nxd_ckpt.load_checkpoint(args.dir, "t", model=target, optimizer=opt, num_workers=workers)
+        tag = "tb" if variant == "written_buffered" else "t"
+        nxd_ckpt.load_checkpoint(args.dir, tag, model=target, optimizer=opt, num_workers=workers)
         bench.wait_device()
         torch.set_num_threads(threads)
         sys.setswitchinterval(switch)

@@ -134,3 +134,24 @@ def test_the_write_pool_hints_each_files_leased_bytes_and_its_tensor_files_load(
     for name, t in (("big.pt", big), ("small.pt", small)):
         assert torch.equal(xser.read_tensor(str(tmp_path / "w" / name)), t)
         assert (tmp_path / "w" / name).read_bytes() == xser.tensor_to_bytes(t)
+
+
+def test_a_direct_files_blocks_are_reserved_first_and_what_it_did_not_use_is_freed(tmp_path, opened, monkeypatch):
+    """Reserved in one piece (KEEP_SIZE: the size stays that of the bytes written), then cut to the bytes written:
+    a size hint larger than the file leaves no allocated blocks behind it."""
+    reserved = []
+    real = local._fallocate()
+    monkeypatch.setattr(local, "_fallocate", lambda: lambda fd, mode, off, n: reserved.append((mode, off, n)) or
+                        real(fd, mode, off, n))
+    _write(LocalStorage(str(tmp_path)), "f", [b"x" * 5000], hint=64 * MIB)
+    assert reserved == [(1, 0, 64 * MIB + 4096)]
+    st = os.stat(tmp_path / "f")
+    assert st.st_size == 5000
+    assert st.st_blocks * 512 <= 8192
+
+
+def test_without_fallocate_a_direct_file_is_written_all_the_same(tmp_path, opened, monkeypatch):
+    monkeypatch.setattr(local, "_fallocate", lambda: None)
+    data = os.urandom(DIRECT_CHUNK + 3)
+    _write(LocalStorage(str(tmp_path)), "f", [data], hint=8 * MIB)
+    assert (tmp_path / "f").read_bytes() == data

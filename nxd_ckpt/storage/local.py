@@ -122,6 +122,9 @@ class _FileSink(Sink):
 DIRECT_MIN_BYTES = 1 << 20
 #: False: every file is written through the page cache (the A/B lever ``direct`` of scripts/ab_commit.py).
 DIRECT_WRITES = True
+#: False: a direct file's blocks are allocated chunk by chunk as written, not reserved first (``_reserve``; the A/B
+#: lever ``reserve`` of scripts/ab_commit.py).
+RESERVE_BLOCKS = True
 #: Bytes of one direct write, and of each bounce buffer (one per file being written directly).
 DIRECT_CHUNK = 4 << 20
 # O_DIRECT wants file offsets, lengths and memory aligned to the device's logical block: 4 KiB covers 512-byte
@@ -171,9 +174,15 @@ class _DirectFileSink(_FileSink):
     the batch's sync (the file's size and extents are in the filesystem's journal until then). A filesystem
     that refuses O_DIRECT, at the open or at a write (EINVAL), gets the same bytes buffered."""
 
-    def __init__(self, final: str, atomic: bool, exclusive: bool, create_lock: Optional[threading.Lock] = None):
+    def __init__(self, final: str, atomic: bool, exclusive: bool, create_lock: Optional[threading.Lock] = None,
+                 size_hint: int = 0):
         self.direct = True
         super().__init__(final, atomic, exclusive, create_lock)
+        # The file's blocks reserved in one piece: written a chunk at a time by several threads at once, each
+        # chunk was otherwise allocated where the disk's free space was at that moment (13 MB files in 1 to
+        # 4 extents instead of 1 to 2), and loads read them about 10% slower.
+        if RESERVE_BLOCKS:
+            _reserve(self._fd, size_hint + _DIRECT_ALIGN)
         self._bounce = BOUNCES.take()
         self._fill = 0          # bytes in the bounce buffer
         self._offset = 0        # file offset of the bounce buffer's first byte
@@ -221,8 +230,7 @@ class _DirectFileSink(_FileSink):
     def finish(self, record: FileRecord, durable: bool) -> None:
         if self._fill:
             self._flush()
-            if self.direct:
-                os.ftruncate(self._fd, self._offset)
+        os.ftruncate(self._fd, self._offset)        # the last chunk's padding, and blocks reserved and not used
         self._give_back()
         super().finish(record, durable)
 
@@ -234,6 +242,27 @@ class _DirectFileSink(_FileSink):
         bounce, self._bounce = self._bounce, None
         if bounce is not None:
             BOUNCES.give_back(bounce)
+
+
+_FALLOC_FL_KEEP_SIZE = 1
+
+
+def _reserve(fd: int, nbytes: int) -> None:
+    """Allocate ``nbytes`` of the file's blocks now, its size unchanged (Linux ``fallocate`` KEEP_SIZE, which
+    the filesystem does or refuses; never glibc's ``posix_fallocate``, which writes zeros where it is refused).
+    A hint: refused, nothing happens. Blocks not written are freed by the file's final ``ftruncate``."""
+    fn = _fallocate()
+    if fn is not None:
+        fn(fd, _FALLOC_FL_KEEP_SIZE, 0, nbytes)
+
+
+@functools.lru_cache(maxsize=1)
+def _fallocate():
+    fn = getattr(_libc(), "fallocate", None) if _libc() is not None else None
+    if fn is not None:
+        fn.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong)
+        fn.restype = ctypes.c_int
+    return fn
 
 
 def _set_direct(fd: int, on: bool) -> None:
@@ -342,9 +371,11 @@ class LocalStorage(Storage):
         # system CPU for 5,000 files created one at a time against 3.4-3.8 s concurrently, and finished in
         # 3.1-4.3 s instead of 7.5-14 s (the writes stay parallel). Network filesystems (a round trip per
         # creation) keep creating in parallel.
-        kind = _DirectFileSink if size_hint and self.writes_direct(size_hint) else _FileSink
-        sink = kind(self.path(relpath), atomic, exclusive,
-                    self._create_lock if self._anchor.local_fs and SERIAL_CREATE else None)
+        lock = self._create_lock if self._anchor.local_fs and SERIAL_CREATE else None
+        if size_hint and self.writes_direct(size_hint):
+            sink: _FileSink = _DirectFileSink(self.path(relpath), atomic, exclusive, lock, size_hint)
+        else:
+            sink = _FileSink(self.path(relpath), atomic, exclusive, lock)
         if not self._anchor.armed:
             self._anchor.arm(os.path.dirname(sink._path))
         return sink
