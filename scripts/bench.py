@@ -1068,6 +1068,8 @@ def run(args) -> dict:
             "cpu_s_per_gb": "process CPU time (every thread, user + system, getrusage) from the call to commit (sync "
                             "methods: to return) per GB saved; stall_cpu_s_per_gb: during the call only; "
                             "load_cpu_s_per_gb: of the load",
+            "train_time_lost_s": "derived (bench.train_time_lost): training_steps during the save x (step time "
+                                 "during - without), median over the runs",
             "train_step_slowdown": "median step time of a small XLA training loop while an async save runs, over "
                                    "the median without; measured after the methods' rounds and before the RSS "
                                    "peaks (nxd_ckpt's host buffers kept, as between a job's periodic saves). "
@@ -1200,7 +1202,25 @@ def _file_floor_targets(add, a: dict, lim: dict, nbytes_: int, workers: int) -> 
 
 def _slowdown_text(r: dict) -> str:
     slow = r.get("train_step_slowdown")
-    return "not measured (--skip-train)" if slow is None or math.isnan(slow) else f"{slow:.2f}x"
+    if slow is None or math.isnan(slow):
+        return "not measured (--skip-train)"
+    lost = train_time_lost(r)
+    return f"{slow:.2f}x" + (f" (training time lost per save {lost:.2f} s: {_steps_text(r)})" if lost else "")
+
+
+def train_time_lost(r: dict) -> float:
+    """Median over the training-loop runs of the training time one async save cost: the steps that ran during it
+    times how much longer each took than without a save. What the median ratio leaves out is how long the save
+    lasted: a save that finishes in a third of the steps at the same ratio costs training a third of the time.
+    Derived from each run's fields, so older JSON files give it too; 0.0 when not measured."""
+    runs = (r.get("train_step") or {}).get("runs") or []
+    lost = [x["steps_during_save"] * (x["step_s_during_save"] - x["step_s_without"]) for x in runs]
+    return statistics.median(lost) if lost else 0.0
+
+
+def _steps_text(r: dict) -> str:
+    runs = r["train_step"]["runs"]
+    return "the save ran through " + " / ".join(str(x["steps_during_save"]) for x in runs) + " training steps"
 
 
 def file_floor_text(r: dict) -> str:
