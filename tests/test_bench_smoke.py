@@ -212,9 +212,22 @@ def test_ab_commit_tiny_run_alternates_the_lever_and_writes_its_json(tmp_path):
     assert r["filesystem"] not in ("", "unknown")
     for v in ("before", "after"):
         assert len(r["commit_s_rounds"][v]) == 2
-        for k in ("stall_s", "write_done_s", "commit_s", "commit_gbps", "cpu_s_per_gb"):
+        for k in ("stall_s", "write_done_s", "commit_s", "commit_gbps", "cpu_s_per_gb", "host_cpu_s_per_gb"):
             _sane(r["median"][v][k], f"median.{v}.{k}")
     assert not os.path.exists(tmp_path / "d")
+
+
+def test_training_time_lost_per_save_is_the_steps_during_it_times_their_extra_time():
+    bench = _bench_module()
+    runs = [{"steps_during_save": 10, "step_s_during_save": 0.05, "step_s_without": 0.04},
+            {"steps_during_save": 40, "step_s_during_save": 0.06, "step_s_without": 0.04},
+            {"steps_during_save": 5, "step_s_during_save": 0.04, "step_s_without": 0.04}]
+    r = {"train_step_slowdown": 1.25, "train_step": {"ratio": 1.25, "runs": runs}}
+    assert bench.train_time_lost(r) == pytest.approx(0.1)          # median of 0.1, 0.8 and 0.0
+    assert bench._slowdown_text(r) == ("1.25x (training time lost per save 0.10 s: the save ran through "
+                                       "10 / 40 / 5 training steps)")
+    assert bench.train_time_lost({"train_step": None}) == 0.0
+    assert bench._slowdown_text({"train_step_slowdown": float("nan")}) == "not measured (--skip-train)"
 
 
 @pytest.mark.timeout(300)
