@@ -107,8 +107,9 @@ def finalize_checkpoint(*, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
 
 
 def release_host_buffers() -> int:
-    """Free the snapshot buffers this process keeps between saves (``keep_host_buffers=True``); buffers of
-    saves still in flight are freed when their files are written. Returns the bytes freed now. Any thread,
+    """Free the snapshot buffers this process keeps between saves (``keep_host_buffers=True``) and the direct
+    writes' bounce buffers not in use; buffers of saves still in flight are freed when their files are written.
+    Returns the bytes freed now. Any thread,
     any time; no communication. The next save allocates (and keeps) its buffers again."""
     return get_engine().release_buffers()
 

@@ -208,3 +208,15 @@ def test_an_async_save_of_large_tensors_writes_them_directly_and_loads_bit_exact
         if name.endswith(".pt") and not name.endswith(".info.pt"):
             path = os.path.join(root, "step_1", "model", name)
             assert set(txs.load(path)) == {"w0", "w1", "w2", "w3", "bias"}
+
+
+def test_release_host_buffers_unmaps_the_free_bounce_buffers(tmp_path, opened):
+    import nxd_ckpt
+
+    _write(LocalStorage(str(tmp_path)), "f", [b"x" * 10], hint=8 * MIB)
+    free = len(local.BOUNCES._free)
+    assert free >= 1
+    assert nxd_ckpt.release_host_buffers() >= free * DIRECT_CHUNK
+    assert local.BOUNCES._free == []
+    _write(LocalStorage(str(tmp_path)), "g", [b"y" * 10], hint=8 * MIB)    # a new one is mapped when needed
+    assert (tmp_path / "g").read_bytes() == b"y" * 10
