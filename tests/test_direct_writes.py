@@ -220,3 +220,13 @@ def test_release_host_buffers_unmaps_the_free_bounce_buffers(tmp_path, opened):
     assert local.BOUNCES._free == []
     _write(LocalStorage(str(tmp_path)), "g", [b"y" * 10], hint=8 * MIB)    # a new one is mapped when needed
     assert (tmp_path / "g").read_bytes() == b"y" * 10
+
+
+def test_a_direct_file_that_cannot_be_created_gives_its_bounce_buffer_back(tmp_path, opened):
+    storage = LocalStorage(str(tmp_path))
+    _write(storage, "warm", [b"w"], hint=8 * MIB)
+    free = len(local.BOUNCES._free)
+    (tmp_path / "taken").mkdir()                    # a folder where the file should go: the open fails
+    with pytest.raises(IsADirectoryError):
+        _write(storage, "taken", [b"x"], hint=8 * MIB)
+    assert len(local.BOUNCES._free) == free

@@ -177,15 +177,19 @@ class _DirectFileSink(_FileSink):
     def __init__(self, final: str, atomic: bool, exclusive: bool, create_lock: Optional[threading.Lock] = None,
                  size_hint: int = 0):
         self.direct = True
-        super().__init__(final, atomic, exclusive, create_lock)
+        self._bounce = BOUNCES.take()   # first: a sink that failed to open has nothing else to give back
+        self._fill = 0                  # bytes in the bounce buffer
+        self._offset = 0                # file offset of the bounce buffer's first byte
+        try:
+            super().__init__(final, atomic, exclusive, create_lock)
+        except BaseException:
+            self._give_back()
+            raise
         # The file's blocks reserved in one piece: written a chunk at a time by several threads at once, each
         # chunk was otherwise allocated where the disk's free space was at that moment (13 MB files in 1 to
         # 4 extents instead of 1 to 2), and loads read them about 10% slower.
         if RESERVE_BLOCKS:
             _reserve(self._fd, size_hint + _DIRECT_ALIGN)
-        self._bounce = BOUNCES.take()
-        self._fill = 0          # bytes in the bounce buffer
-        self._offset = 0        # file offset of the bounce buffer's first byte
 
     def _create(self) -> int:
         self._flags = _CREATE | _O_DIRECT
