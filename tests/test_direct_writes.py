@@ -20,14 +20,14 @@ MIB = 1 << 20
 
 @pytest.fixture
 def opened(monkeypatch, tmp_path):
-    """The flags of every file opened under tmp_path, with the filesystem told to be ext4."""
+    """The flags each file under tmp_path was first opened with, the filesystem told to be ext4."""
     monkeypatch.setattr(local, "_filesystem_type", lambda p: EXT4)
     flags = {}
     real_open = os.open
 
     def spy(path, fl, *a, **kw):
         if str(path).startswith(str(tmp_path)) and fl & os.O_CREAT:
-            flags[os.path.basename(path)] = fl
+            flags.setdefault(os.path.basename(path), fl)      # what was asked first
         return real_open(path, fl, *a, **kw)
 
     monkeypatch.setattr(os, "open", spy)
