@@ -210,16 +210,27 @@ def test_an_async_save_of_large_tensors_writes_them_directly_and_loads_bit_exact
             assert set(txs.load(path)) == {"w0", "w1", "w2", "w3", "bias"}
 
 
-def test_release_host_buffers_unmaps_the_free_bounce_buffers(tmp_path, opened):
+def test_release_host_buffers_unmaps_the_free_bounce_buffers(tmp_path, opened, monkeypatch):
+    """Also when a view of one is still alive: a failed write's traceback holds the slice it was writing."""
     import nxd_ckpt
 
-    _write(LocalStorage(str(tmp_path)), "f", [b"x" * 10], hint=8 * MIB)
+    storage = LocalStorage(str(tmp_path))
+
+    def full(fd, view, offset):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with monkeypatch.context() as m:
+        m.setattr(os, "pwrite", full)
+        with pytest.raises(OSError) as failed:
+            _write(storage, "lost", [os.urandom(DIRECT_CHUNK)], hint=8 * MIB)
+    _write(storage, "f", [b"x" * 10], hint=8 * MIB)
     free = len(local.BOUNCES._free)
     assert free >= 1
     assert nxd_ckpt.release_host_buffers() >= free * DIRECT_CHUNK
     assert local.BOUNCES._free == []
     _write(LocalStorage(str(tmp_path)), "g", [b"y" * 10], hint=8 * MIB)    # a new one is mapped when needed
     assert (tmp_path / "g").read_bytes() == b"y" * 10
+    assert failed.value.errno == errno.ENOSPC
 
 
 def test_a_direct_file_that_cannot_be_created_gives_its_bounce_buffer_back(tmp_path, opened):

@@ -156,12 +156,16 @@ class _Bounces:
             self._free.append(bounce)
 
     def release(self) -> int:
-        """Unmap the free buffers; the bytes released."""
+        """Unmap the free buffers; the bytes released. A buffer of which a view is still alive (held by the
+        traceback of a failed write) is unmapped when that view goes."""
         with self._lock:
             free, self._free = self._free, []
         for buf, view, _ in free:
             view.release()
-            buf.close()
+            try:
+                buf.close()
+            except BufferError:
+                pass
         return len(free) * DIRECT_CHUNK
 
 
