@@ -148,7 +148,8 @@ class _Bounces:
         with self._lock:
             if self._free:
                 return self._free.pop()
-        buf = mmap.mmap(-1, DIRECT_CHUNK)
+        # Private: Python's anonymous mappings are shared by default, i.e. shmem, and shared with forked children.
+        buf = mmap.mmap(-1, DIRECT_CHUNK, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         return buf, memoryview(buf), ctypes.addressof(ctypes.c_char.from_buffer(buf))
 
     def give_back(self, bounce: Tuple[mmap.mmap, memoryview, int]) -> None:
