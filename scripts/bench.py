@@ -397,8 +397,9 @@ def limit_d2h_chunked(vals):
 def limit_h2d(host, dev):
     """One batched host-to-device transfer of ``host``, timed. The caller trims the heap first, as before every
     load, outside its CPU clock: the transfer then faults in its new memory (torch-xla's staging copy of each
-    tensor, and the device buffers on PJRT CPU) as a load does. Without the trim it reused the memory the device-to-host copy had
-    just freed: 55-336 MB faulted per GB against 1.1 GB in a load, 0.10 s against 0.5 s and more."""
+    tensor, and the device buffers on PJRT CPU) as a load does. Without the trim it reused the memory the
+    device-to-host copy had just freed: 55-336 MB faulted per GB against 1.1 GB in a load, 0.10 s against 0.5 s
+    and more."""
     _, xm = xla()
     t = time.perf_counter()
     moved = xm.send_cpu_data_to_device(host, dev)
@@ -795,13 +796,15 @@ class Bench:
         after = [step() for _ in range(self.args.train_steps)]
         baseline = statistics.median(base + after)
         loaded = statistics.median(during) if during else baseline
-        return {"ratio": loaded / baseline, "step_s_without": baseline, "step_s_during_save": loaded,
-                "steps_during_save": len(during),
-                # the save's own share of the process's CPU and page faults from the call to commit: the
-                # window's minus what the training steps in it cost without a save (robust to other load)
-                "save_cpu_s": c - step_cpu * len(during), "train_step_cpu_s": step_cpu,
-                "save_page_faults_mb": (f - step_faults * len(during)) * 4096 / MB,
-                "save_stall_s": stall_s, "save_stall_page_faults_mb": stall_faults * 4096 / MB}
+        out = {"ratio": loaded / baseline, "step_s_without": baseline, "step_s_during_save": loaded,
+               "steps_during_save": len(during),
+               # the save's own share of the process's CPU and page faults from the call to commit: the
+               # window's minus what the training steps in it cost without a save (robust to other load)
+               "save_cpu_s": c - step_cpu * len(during), "train_step_cpu_s": step_cpu,
+               "save_page_faults_mb": (f - step_faults * len(during)) * 4096 / MB,
+               "save_stall_s": stall_s, "save_stall_page_faults_mb": stall_faults * 4096 / MB}
+        out["train_time_lost_s"] = time_lost(out)
+        return out
 
     def rss_peak(self, method: str) -> dict:
         """Peak RSS above the pre-call RSS of one save of ``method`` (call to commit), after returning free heap
@@ -1214,8 +1217,12 @@ def train_time_lost(r: dict) -> float:
     lasted: a save that finishes in a third of the steps at the same ratio costs training a third of the time.
     Derived from each run's fields, so older JSON files give it too; 0.0 when not measured."""
     runs = (r.get("train_step") or {}).get("runs") or []
-    lost = [x["steps_during_save"] * (x["step_s_during_save"] - x["step_s_without"]) for x in runs]
-    return statistics.median(lost) if lost else 0.0
+    return statistics.median(time_lost(x) for x in runs) if runs else 0.0
+
+
+def time_lost(run: dict) -> float:
+    """The training time one measured save cost (one ``train_step_slowdown`` run)."""
+    return run["steps_during_save"] * (run["step_s_during_save"] - run["step_s_without"])
 
 
 def _steps_text(r: dict) -> str:

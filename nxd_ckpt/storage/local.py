@@ -208,7 +208,7 @@ class _DirectFileSink(_FileSink):
         return super()._create()
 
     def write(self, view: memoryview) -> None:
-        buf, dst, addr = self._bounce
+        _, dst, addr = self._bounce
         pos, total = 0, len(view)
         while pos < total:
             n = min(DIRECT_CHUNK - self._fill, total - pos)
@@ -305,7 +305,6 @@ class LocalStorage(Storage):
         self.root = os.path.abspath(root)
         self._anchor = _SyncAnchor()
         self._create_lock = threading.Lock()
-        self._fs_type: Optional[Tuple[Optional[int]]] = None
 
     def path(self, relpath: str) -> str:
         return os.path.join(self.root, relpath) if relpath else self.root
@@ -316,23 +315,22 @@ class LocalStorage(Storage):
         """True on a local filesystem (ext4, xfs, btrfs, tmpfs: see the write pool's ``SMALL_WRITER``), told by
         the filesystem of the root or of its nearest existing parent; False on anything else (NFS, Lustre,
         FUSE, overlayfs, ZFS) and off Linux."""
-        return self._filesystem() in _LOCAL_FS_TYPES
+        return self._filesystem in _LOCAL_FS_TYPES
 
     def writes_direct(self, size_hint: int) -> bool:
         """Whether a file of about ``size_hint`` bytes is written with O_DIRECT (``DIRECT_MIN_BYTES``): on
         ext4, xfs and btrfs (told as for ``small_files_one_writer``), not on tmpfs (no disk), nor on network
         filesystems (each direct write would wait for a round trip), nor off Linux."""
         return (DIRECT_WRITES and size_hint >= DIRECT_MIN_BYTES and _O_DIRECT != 0
-                and self._filesystem() in _DIRECT_FS_TYPES)
+                and self._filesystem in _DIRECT_FS_TYPES)
 
+    @functools.cached_property
     def _filesystem(self) -> Optional[int]:
         """statfs f_type of the root, or of its nearest existing parent (asked once)."""
-        if self._fs_type is None:
-            probe = self.root
-            while not os.path.isdir(probe) and os.path.dirname(probe) != probe:
-                probe = os.path.dirname(probe)
-            self._fs_type = (_filesystem_type(probe),)
-        return self._fs_type[0]
+        probe = self.root
+        while not os.path.isdir(probe) and os.path.dirname(probe) != probe:
+            probe = os.path.dirname(probe)
+        return _filesystem_type(probe)
 
     def child(self, relpath: str) -> "LocalStorage":
         return LocalStorage(self.path(relpath))
