@@ -11,7 +11,8 @@ against 19); ``smallwriter`` (small files on a local filesystem written by one t
 ``writepool.SMALL_WRITER``: 0, by the ``num_workers`` threads, against 1); ``gcpause`` (the garbage collector held
 while the caller is blocked in the snapshot, ``api.HOLD_GC_IN_STALL``: 0 against 1); ``direct`` (large files
 written with O_DIRECT past the page cache, ``storage.local.DIRECT_WRITES``: 0 against 1); ``reserve`` (a direct file's
-blocks reserved in one piece before its first write, ``storage.local.RESERVE_BLOCKS``: 0 against 1).
+blocks reserved in one piece before its first write, ``storage.local.RESERVE_BLOCKS``: 0 against 1); ``huge`` (the
+direct writes' bounce buffers in transparent huge pages, ``storage.local.HUGE_BOUNCES``: 0 against 1).
 
 Besides the process's CPU (``cpu_s_per_gb``) each round records the whole host's (``host_cpu_s_per_gb``, from
 ``/proc/stat``): the kernel's writeback threads write the page cache's dirty pages on the process's behalf.
@@ -33,7 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import bench  # noqa: E402
 
-LEVERS = ("writeback", "workers", "createlock", "nice", "smallwriter", "gcpause", "direct", "reserve")
+LEVERS = ("writeback", "workers", "createlock", "nice", "smallwriter", "gcpause", "direct", "reserve", "huge")
 _NEVER = 1 << 62
 
 
@@ -61,6 +62,10 @@ def _set_lever(lever: str, after: bool, values: dict, kw: dict) -> None:
         local.DIRECT_WRITES = bool(value)
     elif lever == "reserve":
         local.RESERVE_BLOCKS = bool(value)
+    elif lever == "huge":
+        if local.HUGE_BOUNCES != bool(value):
+            local.BOUNCES.release()     # the next buffers are made the other way
+        local.HUGE_BOUNCES = bool(value)
 
 
 def main() -> int:
@@ -76,7 +81,7 @@ def main() -> int:
 
     defaults = {"writeback": (_NEVER, local.WRITEBACK_MIN_BYTES), "workers": (args.num_workers, args.num_workers),
                 "createlock": (1, 0), "nice": (10, 19), "smallwriter": (0, 1), "gcpause": (0, 1),
-                "direct": (0, 1), "reserve": (0, 1)}
+                "direct": (0, 1), "reserve": (0, 1), "huge": (0, 1)}
     values = {"before": defaults[args.lever][0] if args.before is None else args.before,
               "after": defaults[args.lever][1] if args.after is None else args.after}
     model, optim, _ = bench.build_state(int(args.size_gb * 1e9), args.tensors, bench.device(), args.state)

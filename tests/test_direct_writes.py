@@ -1,5 +1,6 @@
 """Large files on a local disk are written with O_DIRECT from a bounce buffer: exact bytes for every length,
 buffered where the filesystem refuses, nothing left behind by a failure, and only where it pays."""
+import ctypes
 import errno
 import os
 
@@ -241,3 +242,26 @@ def test_a_direct_file_that_cannot_be_created_gives_its_bounce_buffer_back(tmp_p
     with pytest.raises(IsADirectoryError):
         _write(storage, "taken", [b"x"], hint=8 * MIB)
     assert len(local.BOUNCES._free) == free
+
+
+@pytest.mark.parametrize("huge", [True, False])
+def test_a_bounce_buffer_is_aligned_for_huge_pages_or_pages_and_unmaps(monkeypatch, huge):
+    monkeypatch.setattr(local, "HUGE_BOUNCES", huge)
+    buf, view, addr = local._new_bounce()
+    assert addr % (2 * MIB if huge else 4096) == 0
+    assert len(view) == DIRECT_CHUNK and len(buf) == DIRECT_CHUNK + (2 * MIB if huge else 0)
+    view[:] = b"\x07" * DIRECT_CHUNK                # the whole buffer is writable memory at that address
+    assert (ctypes.c_char * 4).from_address(addr + DIRECT_CHUNK - 4).raw == b"\x07" * 4
+    view.release()
+    buf.close()                                     # no other view of the mapping is left behind
+    assert buf.closed
+
+
+def test_a_kernel_without_huge_pages_gets_a_bounce_buffer_of_small_pages(tmp_path, opened, monkeypatch):
+    monkeypatch.setattr(local, "HUGE_BOUNCES", True)
+    monkeypatch.setattr(local.mmap, "MADV_HUGEPAGE", 0x7FFF, raising=False)    # advice the kernel refuses
+    local.BOUNCES.release()
+    data = os.urandom(DIRECT_CHUNK + 5)
+    _write(LocalStorage(str(tmp_path)), "f", [data], hint=len(data))
+    assert (tmp_path / "f").read_bytes() == data
+    local.BOUNCES.release()

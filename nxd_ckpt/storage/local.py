@@ -127,6 +127,13 @@ DIRECT_WRITES = True
 RESERVE_BLOCKS = True
 #: Bytes of one direct write, and of each bounce buffer (one per file being written directly).
 DIRECT_CHUNK = 4 << 20
+#: False: bounce buffers in small pages. True: each is aligned to a huge page and asks the kernel for
+#: transparent huge pages (``madvise`` HUGEPAGE, honoured where THP is "madvise" or "always"): the disk then gets
+#: each 4 MiB write as one request of 2 contiguous MiB-pages pinned, not as 1,024 pages pinned one by one and split
+#: into requests at the device's segment limit (254 here). Measured here: 8 threads writing 1 GB took 0.32-0.39 s
+#: against 0.50-0.54 s, at 0.02-0.04 against 0.07-0.08 system CPU-s/GB (README "Levers measured").
+HUGE_BOUNCES = True
+_HUGE_PAGE = 2 << 20
 # O_DIRECT wants file offsets, lengths and memory aligned to the device's logical block: 4 KiB covers 512-byte
 # and 4 KiB devices.
 _DIRECT_ALIGN = 4096
@@ -148,9 +155,7 @@ class _Bounces:
         with self._lock:
             if self._free:
                 return self._free.pop()
-        # Private: Python's anonymous mappings are shared by default, i.e. shmem, and shared with forked children.
-        buf = mmap.mmap(-1, DIRECT_CHUNK, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        return buf, memoryview(buf), ctypes.addressof(ctypes.c_char.from_buffer(buf))
+        return _new_bounce()
 
     def give_back(self, bounce: Tuple[mmap.mmap, memoryview, int]) -> None:
         with self._lock:
@@ -171,6 +176,26 @@ class _Bounces:
 
 
 BOUNCES = _Bounces()
+
+
+def _new_bounce() -> Tuple[mmap.mmap, memoryview, int]:
+    """A DIRECT_CHUNK buffer, aligned to a huge page and asking for transparent huge pages (HUGE_BOUNCES) where
+    the kernel has them: (mapping, the buffer's view, its address). Without them it is still page-aligned."""
+    spare = _HUGE_PAGE if HUGE_BOUNCES and hasattr(mmap, "MADV_HUGEPAGE") else 0
+    # Private: Python's anonymous mappings are shared by default, i.e. shmem, and shared with forked children.
+    # The spare bytes are address space only: never touched, they take no memory.
+    buf = mmap.mmap(-1, DIRECT_CHUNK + spare, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    start = ctypes.addressof(ctypes.c_char.from_buffer(buf))
+    at = (-start) % _HUGE_PAGE if spare else 0
+    if spare:
+        try:
+            buf.madvise(mmap.MADV_HUGEPAGE, at, DIRECT_CHUNK)
+        except OSError:     # a kernel built without transparent huge pages: small pages, same bytes
+            pass
+    whole = memoryview(buf)
+    view = whole[at:at + DIRECT_CHUNK]
+    whole.release()         # the slice holds the mapping; releasing it alone lets the mapping close
+    return buf, view, start + at
 
 
 class _DirectFileSink(_FileSink):
