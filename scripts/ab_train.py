@@ -12,7 +12,8 @@
   (``writepool.BACKGROUND_NICE``; the threads that already exist are reniced too);
 - ``no_small_writer``: small files on a local filesystem written by the ``num_workers`` threads like the others
   (``writepool.SMALL_WRITER = False``);
-- ``no_direct``: every file written through the page cache (``storage.local.DIRECT_WRITES = False``).
+- ``no_direct``: every file written through the page cache (``storage.local.DIRECT_WRITES = False``);
+- ``no_huge``: the direct writes' bounce buffers in small pages (``storage.local.HUGE_BOUNCES = False``).
 
 Every result is printed in run order too, so a lasting effect (one variant changing every later round) shows.
 
@@ -51,6 +52,9 @@ def main() -> int:
         bench.renice_background(int(variant[len("nice"):]) if variant.startswith("nice") else default_nice)
         writepool.SMALL_WRITER = variant != "no_small_writer"
         local.DIRECT_WRITES = variant != "no_direct"
+        if local.HUGE_BOUNCES != (variant != "no_huge"):
+            local.BOUNCES.release()     # the next bounce buffers are made the other way
+        local.HUGE_BOUNCES = variant != "no_huge"
         if variant == "released":
             nxd_ckpt.release_host_buffers()
             bench.trim_heap()
