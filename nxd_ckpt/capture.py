@@ -95,11 +95,38 @@ def ref_paths(ref_data) -> Dict[int, str]:
     return out
 
 
+_DTYPE_NAMES: Dict[torch.dtype, str] = {}
+_SHAPES: Dict[tuple, tuple] = {}
+_SHAPES_MAX = 65536
+
+
+def _shape_tuple(size: torch.Size) -> tuple:
+    """``size`` as a plain tuple, the same object for the same shape from one save to the next. A tuple of ints
+    is untracked by the collector's first pass over it, and a dict built from untracked values is never tracked:
+    so from the second save of the same shapes on, the meta dicts (one per tensor) stay out of the collector's
+    lists altogether."""
+    shape = _SHAPES.get(size)
+    if shape is None:
+        if len(_SHAPES) >= _SHAPES_MAX:
+            _SHAPES.clear()
+        shape = _SHAPES[size] = tuple(size)
+    return shape
+
+
 def tensor_meta(tensors: List[torch.Tensor], paths: Dict[int, str], attrs: Dict[str, dict]) -> Dict[int, dict]:
+    """tid -> {dtype name, shape, state-dict key, attributes}: what the manifest and ``.info.pt`` record of each
+    tensor. The shape is a plain tuple of ints (JSON writes it as a list): the collector untracks such a tuple
+    at its first pass, where a list stays tracked for as long as the save runs, and every tracked object that
+    outlives a young collection brings the next full collection of the training process's heap closer."""
     meta = {}
+    names = _DTYPE_NAMES
     for tid, t in enumerate(tensors):
         key = paths.get(tid, "")
-        m = {"dtype": str(t.dtype).replace("torch.", ""), "shape": list(t.shape), "key": key}
+        dtype = t.dtype
+        name = names.get(dtype)
+        if name is None:
+            name = names[dtype] = str(dtype).replace("torch.", "")
+        m = {"dtype": name, "shape": _shape_tuple(t.shape), "key": key}
         if getattr(t, "expert_model_parallel", False):   # marked on the tensor itself, as NxD reads it
             m["expert_model_parallel"] = True
         m.update(attrs.get(key, {}))

@@ -11,10 +11,10 @@ from __future__ import annotations
 import logging
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Dict, Iterable, List, Optional, Set, Tuple
+from typing import Dict, Iterable, List, Optional, Set, Tuple, Union
 
 from . import layout
-from .manifest import Manifest, sealed, seal
+from .manifest import Manifest, ManifestDraft, sealed, seal
 from .storage import AlreadyExistsError, Storage
 from .storage.listed import listed
 
@@ -55,7 +55,8 @@ class CommitStrategy(ABC):
         """Make ``workdir(tag)`` a fresh, incomplete tag holding only the `checkpoint` marker."""
 
     @abstractmethod
-    def publish(self, storage: Storage, tag: str, manifest: Manifest, *, newest: bool = True) -> None:
+    def publish(self, storage: Storage, tag: str, manifest: Union[Manifest, ManifestDraft], *,
+                newest: bool = True) -> None:
         """Write the manifest and `done`, and make ``tag`` complete under its name; then point `newest` at it
         (``newest=False``: an offline tool's output, which is no training job's newest save)."""
 
@@ -90,7 +91,8 @@ class RenameCommit(CommitStrategy):
         storage.makedirs(staging)
         storage.write_bytes(f"{staging}/{layout.CHECKPOINT_MARKER}", b"1")
 
-    def publish(self, storage: Storage, tag: str, manifest: Manifest, *, newest: bool = True) -> None:
+    def publish(self, storage: Storage, tag: str, manifest: Union[Manifest, ManifestDraft], *,
+                newest: bool = True) -> None:
         staging = staging_name(tag)
         body = manifest.body()
         storage.write_bytes(f"{staging}/{layout.MANIFEST_FILE}", body)
@@ -133,7 +135,8 @@ class MarkerCommit(CommitStrategy):
             delete_tag(storage, tag)        # `done` first: the old version is never complete-looking again
         storage.write_bytes(f"{tag}/{layout.CHECKPOINT_MARKER}", b"1")
 
-    def publish(self, storage: Storage, tag: str, manifest: Manifest, *, newest: bool = True) -> None:
+    def publish(self, storage: Storage, tag: str, manifest: Union[Manifest, ManifestDraft], *,
+                newest: bool = True) -> None:
         body = manifest.body()
         storage.write_bytes(f"{tag}/{layout.MANIFEST_FILE}", body)
         try:
@@ -156,7 +159,7 @@ def prepare_staging(storage: Storage, tag: str, busy: Iterable[str] = ()) -> Non
     strategy_for(storage).prepare(storage, tag, busy)
 
 
-def publish(storage: Storage, tag: str, manifest: Manifest) -> None:
+def publish(storage: Storage, tag: str, manifest: Union[Manifest, ManifestDraft]) -> None:
     """Rank 0, after every rank's files are durable: manifest, `done`, into place, `newest`."""
     strategy_for(storage).publish(storage, tag, manifest)
 

@@ -56,13 +56,18 @@ class Coordinator:
             )
         return json.loads(self.store.get(key))
 
-    def gather(self, name: str) -> Dict[int, Optional[dict]]:
-        """Rank 0: every rank's report under ``name``; ranks missing after the timeout map to None."""
-        keys = [self._key(f"{name}/{r}") for r in range(self.world_size)]
-        self._wait_keys(keys, self.timeout_s)
+    def gather(self, name: str, known: Optional[Dict[int, dict]] = None) -> Dict[int, Optional[dict]]:
+        """Rank 0: every rank's report under ``name``; ranks missing after the timeout map to None. ``known``:
+        reports this rank already holds (its own), used as they are instead of read back and parsed."""
+        known = known or {}
+        keys = {r: self._key(f"{name}/{r}") for r in range(self.world_size) if r not in known}
+        self._wait_keys(list(keys.values()), self.timeout_s)
         out: Dict[int, Optional[dict]] = {}
-        for r, k in enumerate(keys):
-            if self.store.check([k]):
+        for r in range(self.world_size):
+            k = keys.get(r)
+            if k is None:
+                out[r] = known[r]
+            elif self.store.check([k]):
                 out[r] = json.loads(self.store.get(k))
             else:
                 out[r] = None

@@ -136,14 +136,17 @@ class Engine:
         parts handed out so far are released and the buffers not handed out go back to the pool."""
         pool = self.buffers
         host = copy_to_host(tensors, pool)
-        give_back = pool.give_back
+        give_back, give_back_one = pool.give_back, pool.give_back_one
         tasks: List[WriteTask] = []
         start = 0
         try:
             for (make_file, arg, n), size in zip(units, sizes):
                 mine = host[start:start + n]
                 relpath, produce = make_file(arg, mine)
-                tasks.append(WriteTask(relpath, produce, lease.part(size, give_back, mine)))
+                # A one-tensor file's part keeps the tensor, not a list of it: one object fewer per file that
+                # lives until the file is written (the collector's next full collection comes sooner with each)
+                part = lease.part(size, give_back_one, mine[0]) if n == 1 else lease.part(size, give_back, mine)
+                tasks.append(WriteTask(relpath, produce, part))
                 start += n
         except BaseException:
             for task in tasks:

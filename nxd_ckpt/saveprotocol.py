@@ -155,10 +155,11 @@ def run_job(job: SaveJob, pool: WritePool) -> None:
     _prepare(job, workdir)
     written = pool.write_all(job.tasks, job.storage, workdir, job.num_workers)
     job.stats.bytes, job.stats.files, job.stats.write_done_s = written.nbytes, len(written.records), job.since_call()
-    report = _report_of(job, written)
-    coord.report("written", report.to_json())
+    report = _report_of(job, written).to_json()
+    del written     # one record per file, now in the report: not kept through the commit
+    coord.report("written", report)
     if job.rank == 0:
-        outcome = _commit_as_root(job, workdir)
+        outcome = _commit_as_root(job, workdir, report)
         coord.publish("result", outcome.to_json())
     else:
         outcome = _wait_outcome(job)
@@ -236,11 +237,11 @@ def _wait_outcome(job: SaveJob) -> Outcome:
         "resumes from the newest complete checkpoint.", causes)
 
 
-def _commit_as_root(job: SaveJob, workdir: str) -> Outcome:
-    """Rank 0: gather all reports; commit when every rank succeeded, then apply retention; else describe
-    the failures. Never raises: the outcome is what every rank raises or not."""
+def _commit_as_root(job: SaveJob, workdir: str, own: dict) -> Outcome:
+    """Rank 0: gather all reports (``own``: its own, not read back); commit when every rank succeeded, then apply
+    retention; else describe the failures. Never raises: the outcome is what every rank raises or not."""
     coord = job.coordinator
-    gathered = coord.gather("written")
+    gathered = coord.gather("written", known={0: own})
     reports = {r: RankReport.from_json(rep) for r, rep in gathered.items() if rep is not None}
     causes: Dict[int, str] = {}
     for r in sorted(gathered):
@@ -266,24 +267,24 @@ def _commit_as_root(job: SaveJob, workdir: str) -> Outcome:
     return Outcome(True)
 
 
-def _build_manifest(job: SaveJob, workdir: str, reports: Dict[int, RankReport]) -> manifest.Manifest:
+def _build_manifest(job: SaveJob, workdir: str, reports: Dict[int, RankReport]) -> manifest.ManifestDraft:
     """Rank 0: the manifest of every rank's files (and, for use_zero1_dcp, the `.metadata` it writes now)."""
     files: Dict[str, dict] = {}
     tensors: Dict[str, dict] = {}
     for r, rep in sorted(reports.items()):
-        for rel, meta in rep.files.items():
-            files[rel] = dict(meta, rank=r)
+        for rel, record in rep.files.items():
+            record["rank"] = r      # the report's own dict (this commit's copy): no second object per file
+            files[rel] = record
         tensors.update(rep.tensors)
     dcp = [(r, rep.dcp) for r, rep in sorted(reports.items()) if rep.dcp is not None]
-    if dcp:
-        rec = _write_dcp_metadata(job.storage, workdir, dcp)
-        files[rec.relpath] = dict(rec.to_json(), rank=0)
-    man = manifest.build(job.tag, job.info.topology, job.info.flags, files, tensors)
+    extra = {}
     if dcp:
         from .zero1_dcp import RANGES_KEY, entry_ranges
 
-        man.extra[RANGES_KEY] = entry_ranges(dcp)
-    return man
+        rec = _write_dcp_metadata(job.storage, workdir, dcp)
+        files[rec.relpath] = dict(rec.to_json(), rank=0)
+        extra[RANGES_KEY] = entry_ranges(dcp)
+    return manifest.draft(job.tag, job.info.topology, job.info.flags, files, tensors, extra)
 
 
 def _write_dcp_metadata(storage: Storage, workdir: str, dcp) -> FileRecord:

@@ -157,7 +157,10 @@ class HostBufferPool:
         if nbytes == 0:
             return torch.empty(t.shape, dtype=t.dtype)
         buf = self._take(nbytes)
-        return buf.view(t.dtype).view(t.shape)
+        # One tensor object over the buffer's storage: ``buf.view(dtype).view(shape)`` kept the intermediate
+        # alive as the view's base, a second GC-tracked object per file for as long as the save runs.
+        out = torch.empty(0, dtype=t.dtype)
+        return out.set_(buf.untyped_storage(), 0, t.shape)
 
     def _take(self, nbytes: int) -> torch.Tensor:
         with self._lock:
@@ -199,6 +202,10 @@ class HostBufferPool:
                 else:
                     self._dropped.discard(ptr)
                     self._held -= buf.numel()
+
+    def give_back_one(self, tensor: torch.Tensor) -> None:
+        """:meth:`give_back` of one tensor."""
+        self.give_back((tensor,))
 
     def set_capacity(self, capacity: int) -> None:
         with self._lock:

@@ -212,8 +212,10 @@ def test_ab_commit_tiny_run_alternates_the_lever_and_writes_its_json(tmp_path):
     assert r["filesystem"] not in ("", "unknown")
     for v in ("before", "after"):
         assert len(r["commit_s_rounds"][v]) == 2
-        for k in ("stall_s", "write_done_s", "commit_s", "commit_gbps", "cpu_s_per_gb", "host_cpu_s_per_gb"):
+        for k in ("stall_s", "write_done_s", "commit_s", "commit_gbps", "cpu_s_per_gb"):
             _sane(r["median"][v][k], f"median.{v}.{k}")
+        # /proc/stat counts in clock ticks (10 ms): a 2 MB save can fall within one, so 0 is a true reading here
+        _sane(r["median"][v]["host_cpu_s_per_gb"], f"median.{v}.host_cpu_s_per_gb", allow_zero=True)
     assert not os.path.exists(tmp_path / "d")
 
 
