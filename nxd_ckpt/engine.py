@@ -20,7 +20,7 @@ from .staging import (HostBudget, HostBufferPool, chunk_by_bytes, copy_to_host, 
 from .storage import Storage
 from .storage.local import BOUNCES
 from .world import World
-from .writepool import WriteTask, bytes_task, failing_task, plain_shard_producer, tensor_producer
+from .writepool import WriteTask, bytes_task, failing_task, plain_shard_producer, tensor_task
 
 log = logging.getLogger("nxd_ckpt")
 
@@ -139,18 +139,21 @@ class Engine:
         give_back, give_back_one = pool.give_back, pool.give_back_one
         tasks: List[WriteTask] = []
         start = 0
+        part = None
         try:
             for (make_file, arg, n), size in zip(units, sizes):
                 mine = host[start:start + n]
-                relpath, produce = make_file(arg, mine)
                 # A one-tensor file's part keeps the tensor, not a list of it: one object fewer per file that
                 # lives until the file is written (the collector's next full collection comes sooner with each)
                 part = lease.part(size, give_back_one, mine[0]) if n == 1 else lease.part(size, give_back, mine)
-                tasks.append(WriteTask(relpath, produce, part))
                 start += n
+                tasks.append(make_file(arg, mine, part))
+                part = None
         except BaseException:
             for task in tasks:
                 task.lease.release()
+            if part is not None:
+                part.release()
             pool.give_back(host[start:])        # not handed out: nothing will write them
             raise
         return tasks
@@ -263,8 +266,8 @@ def _info_task(shard) -> WriteTask:
 
 def _units(plan: SavePlan, job: SaveJob):
     """The files this rank writes with staged tensors, as ``(units, tensors)``: a unit ``(make_file, arg, n)``
-    is a file of the next ``n`` tensors of the flat list ``tensors``; ``make_file(arg, host copies)`` gives
-    (relpath, producer of the file's bytes). One unit per xser tensor file, one per whole non-xser shard, one
+    is a file of the next ``n`` tensors of the flat list ``tensors``; ``make_file(arg, host copies, lease)`` gives
+    its WriteTask. One unit per xser tensor file, one per whole non-xser shard, one
     for the use_zero1_dcp data file (its entries' locations go into the job's report, for rank 0's .metadata).
     Plain tuples and module functions, not a closure per file: a save of 5,000 tensors made 66,000 objects
     for the garbage collector, whose collections then ran inside the stall."""
@@ -285,15 +288,15 @@ def _units(plan: SavePlan, job: SaveJob):
     return units, tensors
 
 
-def _tensor_file(relpath: str, host):
-    return relpath, tensor_producer(host[0])
+def _tensor_file(relpath: str, host, lease) -> WriteTask:
+    return tensor_task(relpath, host[0], lease)
 
 
-def _plain_file(shard, host):
-    return shard.relpath, plain_shard_producer(shard.ref_bytes, dict(zip(shard.my_tids, host)))
+def _plain_file(shard, host, lease) -> WriteTask:
+    return WriteTask(shard.relpath, plain_shard_producer(shard.ref_bytes, dict(zip(shard.my_tids, host))), lease)
 
 
-def _dcp_file(job_dcp, host):
+def _dcp_file(job_dcp, host, lease) -> WriteTask:
     job, dcp = job_dcp
     name = dcp.relpath.rsplit("/", 1)[1]
 
@@ -302,7 +305,7 @@ def _dcp_file(job_dcp, host):
 
         job.dcp_locations = write_data(f, dcp.items, host, name)
 
-    return dcp.relpath, produce
+    return WriteTask(dcp.relpath, produce, lease)
 
 
 def _manifest_info(world: World, plan: SavePlan) -> ManifestInfo:

@@ -199,15 +199,15 @@ def test_a_failure_while_handing_out_files_leaks_no_budget_or_buffers(tmp_path, 
     root = str(tmp_path / "ckpt")
     state = {f"t{i}": torch.full((64,), float(i)).to(xla_device()) for i in range(6)}
     nxd_ckpt.save_checkpoint(root, "good", model=state, use_xser=True)
-    real, calls = engine_mod.tensor_producer, []
+    real, calls = engine_mod.tensor_task, []
 
-    def third_fails(t):
+    def third_fails(relpath, t, lease):
         calls.append(1)
         if len(calls) == 3:
             raise RuntimeError("producer broke (injected)")
-        return real(t)
+        return real(relpath, t, lease)
 
-    monkeypatch.setattr(engine_mod, "tensor_producer", third_fails)
+    monkeypatch.setattr(engine_mod, "tensor_task", third_fails)
     with pytest.raises(nxd_ckpt.RankFailureError, match="producer broke"):
         nxd_ckpt.save_checkpoint(root, "bad", model=state, use_xser=True)
     eng = engine_mod.get_engine()

@@ -13,7 +13,7 @@ from nxd_ckpt import writepool
 from nxd_ckpt.staging import HostBudget
 from nxd_ckpt.storage import local
 from nxd_ckpt.storage.local import DIRECT_CHUNK, LocalStorage
-from nxd_ckpt.writepool import TaskQueue, WritePool, WriteTask
+from nxd_ckpt.writepool import TaskQueue, WritePool
 
 EXT4, TMPFS, NFS, LUSTRE = 0xEF53, 0x01021994, 0x6969, 0x0BD00BD0
 MIB = 1 << 20
@@ -127,7 +127,7 @@ def test_the_write_pool_hints_each_files_leased_bytes_and_its_tensor_files_load(
     budget = HostBudget(64 * MIB)
     q = TaskQueue()
     for name, t in (("big.pt", big), ("small.pt", small)):
-        q.add(WriteTask(name, writepool.tensor_producer(t), budget.lease(t.numel() * t.element_size(), timeout=5)))
+        q.add(writepool.tensor_task(name, t, budget.lease(t.numel() * t.element_size(), timeout=5)))
     q.close()
     res = WritePool().write_all(q, LocalStorage(str(tmp_path)), "w", workers=2)
     assert res.error is None
