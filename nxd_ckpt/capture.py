@@ -129,7 +129,9 @@ def tensor_meta(tensors: List[torch.Tensor], paths: Dict[int, str], attrs: Dict[
         m = {"dtype": name, "shape": _shape_tuple(t.shape), "key": key}
         if getattr(t, "expert_model_parallel", False):   # marked on the tensor itself, as NxD reads it
             m["expert_model_parallel"] = True
-        m.update(attrs.get(key, {}))
+        extra = attrs.get(key)
+        if extra:
+            m.update(extra)
         meta[tid] = m
     return meta
 
