@@ -95,6 +95,7 @@ def main() -> int:
         root = bench.ab_save_dir(args, variant, i)
         bench.trim_heap()
         cache.drop(root)
+        g0 = bench.full_collections()
         c0, h0, t0 = bench.cpu_time(), bench.host_cpu_time(), time.perf_counter()
         nxd_ckpt.save_checkpoint(root, f"t{i}", async_save=True, **kw)
         stall = time.perf_counter() - t0
@@ -103,7 +104,8 @@ def main() -> int:
         gb = nbytes / 1e9
         return {"stall_s": stall, "write_done_s": st["write_done_s"], "commit_s": st["commit_s"],
                 "commit_gbps": gb / st["commit_s"], "cpu_s_per_gb": (bench.cpu_time() - c0) / gb,
-                "host_cpu_s_per_gb": (bench.host_cpu_time() - h0) / gb}
+                "host_cpu_s_per_gb": (bench.host_cpu_time() - h0) / gb,
+                "full_collections": bench.full_collections() - g0}
 
     shutil.rmtree(args.dir, ignore_errors=True)
     res, loads = bench.alternate(("before", "after"), one, args.rounds)

@@ -367,6 +367,26 @@ def host_cpu_time() -> float:
     return (sum(fields) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
 
 
+_full_collections = [0]
+
+
+def _count_full_collection(phase: str, info: dict) -> None:
+    if phase == "start" and info.get("generation") == 2:
+        _full_collections[0] += 1
+
+
+def full_collections() -> int:
+    """Full (generation 2) garbage collections this process has run since this module was imported, counted by a
+    ``gc.callbacks`` hook: each walks the whole heap (0.2-0.3 s for this benchmark's), so the ones a save sets
+    off belong to its cost."""
+    if _count_full_collection not in gc.callbacks:
+        gc.callbacks.append(_count_full_collection)
+    return _full_collections[0]
+
+
+full_collections()
+
+
 # --- limits --------------------------------------------------------------------------------------------
 def minor_faults() -> int:
     import resource
@@ -607,6 +627,7 @@ class Bench:
 
         tag = f"step_{self.counter}"
         f = minor_faults()
+        g = full_collections()
         c = cpu_time()
         t = time.perf_counter()
         nxd_ckpt.save_checkpoint(root, tag, async_save=async_save, device_snapshot=device_snapshot,
@@ -618,7 +639,8 @@ class Bench:
         finalized = time.perf_counter() - t
         c_all = cpu_time() - c
         out = {"stall_s": stall, "finalize_s": finalized, "stall_page_faults_mb": faults * 4096 / MB,
-               "cpu_s_per_gb": self.per_gb(c_all), "stall_cpu_s_per_gb": self.per_gb(c_stall)}
+               "cpu_s_per_gb": self.per_gb(c_all), "stall_cpu_s_per_gb": self.per_gb(c_stall),
+               "full_collections": full_collections() - g}
         st = nxd_ckpt.save_stats()[-1]
         assert st.get("ok", True) and st["tag"] == tag, st
         out["commit_s"] = st["commit_s"]

@@ -55,6 +55,9 @@ def test_bench_tiny_run_writes_complete_json(tmp_path):
             # an RSS increase can be 0 when a tiny save fits in memory the process already holds
             _sane(r["methods"][m][k], f"methods.{m}.{k}", allow_zero=k == "host_rss_peak_mb")
     _sane(r["train_step_slowdown"], "train_step_slowdown")
+    for m in ("nxd_ckpt_async", "nxd_ckpt_sync", "nxd_ckpt_async_device_snapshot"):
+        # full garbage collections during the save (median over rounds): counted, usually none in a tiny run
+        _sane(r["methods"][m]["full_collections"], f"methods.{m}.full_collections", allow_zero=True)
     # the per-file floor writes the file set of nxd_ckpt's own save: a file per tensor plus its metadata files
     assert r["limits"]["files_source"] == "nxd_ckpt's first save" and r["limits"]["files_n"] > 20
     assert r["limits"]["files_bytes"] > r["bytes"]
@@ -216,6 +219,7 @@ def test_ab_commit_tiny_run_alternates_the_lever_and_writes_its_json(tmp_path):
             _sane(r["median"][v][k], f"median.{v}.{k}")
         # /proc/stat counts in clock ticks (10 ms): a 2 MB save can fall within one, so 0 is a true reading here
         _sane(r["median"][v]["host_cpu_s_per_gb"], f"median.{v}.host_cpu_s_per_gb", allow_zero=True)
+        _sane(r["median"][v]["full_collections"], f"median.{v}.full_collections", allow_zero=True)
     assert not os.path.exists(tmp_path / "d")
 
 
