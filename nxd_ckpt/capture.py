@@ -105,11 +105,12 @@ def _shape_tuple(size: torch.Size) -> tuple:
     is untracked by the collector's first pass over it, and a dict built from untracked values is never tracked:
     so from the second save of the same shapes on, the meta dicts (one per tensor) stay out of the collector's
     lists altogether."""
-    shape = _SHAPES.get(size)
+    shape = _SHAPES.get(size)        # a torch.Size finds its plain tuple: same hash, equal
     if shape is None:
         if len(_SHAPES) >= _SHAPES_MAX:
             _SHAPES.clear()
-        shape = _SHAPES[size] = tuple(size)
+        shape = tuple(size)
+        _SHAPES[shape] = shape          # keyed by the tuple too: a torch.Size key would stay tracked for good
     return shape
 
 

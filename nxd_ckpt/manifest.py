@@ -256,8 +256,8 @@ def _ep_named(relpath: str, folder: str, above_zero: bool = False) -> bool:
 
 def build(tag: str, topology: dict, flags: dict, files: Dict[str, dict], tensors: Dict[str, dict]) -> Manifest:
     """A manifest from JSON-shaped pieces (the per-rank reports gathered at commit)."""
-    data = {"library_version": __version__, "tag": tag, "topology": topology, **flags, "files": files,
-            "tensors": tensors}
+    data = {"library_version": __version__, "created_at": time.time(), "tag": tag, "topology": topology, **flags,
+            "files": files, "tensors": tensors}
     data.setdefault("zero1", False)
     data.setdefault("xser", True)
     return Manifest.from_json(data)

@@ -273,7 +273,7 @@ def _build_manifest(job: SaveJob, workdir: str, reports: Dict[int, RankReport]) 
     tensors: Dict[str, dict] = {}
     for r, rep in sorted(reports.items()):
         for rel, record in rep.files.items():
-            record["rank"] = r      # the report's own dict (this commit's copy): no second object per file
+            record["rank"] = r      # the report's dict, already sent and read by no one else: no copy per file
             files[rel] = record
         tensors.update(rep.tensors)
     dcp = [(r, rep.dcp) for r, rep in sorted(reports.items()) if rep.dcp is not None]

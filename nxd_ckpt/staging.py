@@ -155,11 +155,11 @@ class HostBufferPool:
         """A contiguous host tensor of ``t``'s dtype and shape whose storage is exactly its bytes."""
         nbytes = t.numel() * t.element_size()
         if nbytes == 0:
-            return torch.empty(t.shape, dtype=t.dtype)
+            return torch.empty(t.shape, dtype=t.dtype, device="cpu")
         buf = self._take(nbytes)
         # One tensor object over the buffer's storage: ``buf.view(dtype).view(shape)`` kept the intermediate
         # alive as the view's base, a second GC-tracked object per file for as long as the save runs.
-        out = torch.empty(0, dtype=t.dtype)
+        out = torch.empty(0, dtype=t.dtype, device="cpu")
         return out.set_(buf.untyped_storage(), 0, t.shape)
 
     def _take(self, nbytes: int) -> torch.Tensor:
@@ -170,7 +170,7 @@ class HostBufferPool:
                 self.reused += 1
             else:
                 self._make_room(nbytes)
-                buf = torch.empty(nbytes, dtype=torch.uint8)
+                buf = torch.empty(nbytes, dtype=torch.uint8, device="cpu")     # host memory whatever the default
                 self.allocated += 1
                 if self._held + nbytes > self.capacity:
                     return buf                      # lent unpooled: not tracked, freed after its write
@@ -256,7 +256,7 @@ def _copy_into(src: torch.Tensor, pool: Optional[HostBufferPool]) -> torch.Tenso
     threads spin between regions) for the same 0.1 s of wall time as one thread's 0.1 CPU-s/GB."""
     if src.layout != torch.strided or src.is_quantized or src.is_conj() or src.is_neg():
         return src.clone(memory_format=torch.contiguous_format)     # rare kinds: torch's own copy
-    dst = pool.empty_like(src) if pool is not None else torch.empty(src.shape, dtype=src.dtype)
+    dst = pool.empty_like(src) if pool is not None else torch.empty(src.shape, dtype=src.dtype, device="cpu")
     nbytes = dst.numel() * dst.element_size()
     if nbytes and src.is_contiguous() and src.device.type == "cpu":
         ctypes.memmove(dst.data_ptr(), src.data_ptr(), nbytes)

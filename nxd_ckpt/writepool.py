@@ -58,7 +58,8 @@ class TensorTask(WriteTask):
     """An xser tensor file: a WriteTask that writes its own tensor. One object per file where a task, a producer
     (and before that a closure: a function, its cell and their tuple) were several: a save makes one per tensor
     file, they live until the file is written, and each GC-tracked object that outlives a young collection
-    brings the next full collection of the training process's heap closer (0.2-0.3 s here)."""
+    brings the next full collection of the training process's heap closer (0.2-0.3 s here). Not a dataclass of
+    its own: ``dataclasses.replace``/``fields`` of one see WriteTask's fields, not its tensor (nothing uses them)."""
 
     def __init__(self, relpath: str, tensor: torch.Tensor, lease: HostLease):
         # Not the dataclass's __init__: ``produce`` is this class's method, not a field value.
