@@ -205,7 +205,6 @@ class Manifest:
 
     @classmethod
     def from_json(cls, data: dict) -> "Manifest":
-        known = _MANIFEST_FIELDS
         return cls(
             tag=str(data.get("tag", "")), topology=Topology.from_json(data["topology"]),
             zero1=bool(data["zero1"]), xser=bool(data["xser"]),
@@ -214,7 +213,7 @@ class Manifest:
                      for rel, ts in data["tensors"].items()},
             has_model=bool(data.get("has_model", True)), has_optim=bool(data.get("has_optim", True)),
             library_version=str(data.get("library_version", "")), created_at=float(data.get("created_at", 0.0)),
-            extra={k: v for k, v in data.items() if k not in known},
+            extra={k: v for k, v in data.items() if k not in _MANIFEST_FIELDS},
         )
 
     @property
@@ -289,7 +288,7 @@ def draft(tag: str, topology: dict, flags: dict, files: Dict[str, dict], tensors
     man.extra.update(extra or {})
     data = man.to_json()
     data["files"] = {rel: _entry_json(files[rel]) for rel in sorted(files)}
-    data["tensors"] = {rel: {str(tid): m for tid, m in ts.items()} for rel, ts in tensors.items()}
+    data["tensors"] = tensors       # tids as the reports hold them: json writes an int key as its string
     return ManifestDraft(data)
 
 
