@@ -325,3 +325,22 @@ def test_renice_background_renices_existing_and_future_background_threads(monkey
         t.join(30)
     assert writepool.BACKGROUND_NICE == 3
     assert seen == {"nxd_ckpt-write_0": min(19, base + 3), "other": base}
+
+
+@pytest.mark.timeout(300)
+def test_ab_saves_tiny_run_counts_back_to_back_saves(tmp_path):
+    """scripts/ab_saves.py: saves in a row from the given checkout, the first not counted, its JSON line complete;
+    a wrong argument is refused before anything is saved."""
+    cmd = [sys.executable, os.path.join(ROOT, "scripts", "ab_saves.py"), "--code", ROOT, "--size-gb", "0.002",
+           "--tensors", "8", "--saves", "3", "--dir", str(tmp_path / "d")]
+    proc = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, PJRT_DEVICE="CPU"), capture_output=True, text=True,
+                          timeout=280)
+    assert proc.returncode == 0, f"ab_saves.py failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert r["code"] == os.path.abspath(ROOT) and r["saves"] == 2 and len(r["cpus"]) == 2
+    for k in ("cpu", "commit", "stall"):
+        _sane(r[k], k)
+    assert isinstance(r["full_gcs"], int) and r["full_gcs"] >= 0
+    assert len(os.listdir(tmp_path / "d")) == 1 and len(os.listdir(next((tmp_path / "d").iterdir()))) == 3
+    bad = subprocess.run(cmd[:-2] + ["--saves", "1"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--saves must be at least 2" in bad.stderr
