@@ -375,16 +375,14 @@ def _count_full_collection(phase: str, info: dict) -> None:
         _full_collections[0] += 1
 
 
+gc.callbacks.append(_count_full_collection)
+
+
 def full_collections() -> int:
-    """Full (generation 2) garbage collections this process has run since this module was imported, counted by a
-    ``gc.callbacks`` hook: each walks the whole heap (0.2-0.3 s for this benchmark's), so the ones a save sets
-    off belong to its cost."""
-    if _count_full_collection not in gc.callbacks:
-        gc.callbacks.append(_count_full_collection)
+    """Full (generation 2) garbage collections this process has run since this module was imported (the
+    ``gc.callbacks`` hook above): each walks the whole heap (0.2-0.3 s for this benchmark's), so the ones a save
+    sets off belong to its cost."""
     return _full_collections[0]
-
-
-full_collections()
 
 
 # --- limits --------------------------------------------------------------------------------------------
