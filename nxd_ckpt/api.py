@@ -93,7 +93,6 @@ def save_checkpoint(checkpoint_dir_str, tag, model=None, optimizer=None, schedul
         # until the hold ended and then be collected at once at the end of the stall.
         engine.snapshot(job, plan, on_device=True, timeout_s=timeout_s)
     job.stats.stall_s = time.monotonic() - called_at
-    job.stats.staged_bytes = plan.staged_bytes()
     job.stats.ordering_wait_s = engine.last_ordering_wait_s
     engine.last_ordering_wait_s = 0.0
     if not async_save:

@@ -17,7 +17,7 @@ from . import layout, masters, zero1_dcp
 from .errors import CheckpointArgumentError
 from .manifest import info_entry
 from .storage import check_location
-from .plan import DcpPart, SavePlan, model_filename, optim_filename, partition_info, plan_shard, replica_groups
+from .plan import DcpPart, RefPickle, SavePlan, model_filename, optim_filename, partition_info, plan_shard, replica_groups
 from .world import World
 
 log = logging.getLogger("nxd_ckpt")
@@ -221,16 +221,16 @@ def _shard(world: World, folder: str, state, attrs: Dict[str, dict], name_of, us
     """``from_masters``: model key -> ZeRO-1 index of the tensors whose files are not written."""
     groups = replica_groups(world.topology, name_of)
     name = name_of(world.rank)
-    ref_data, tensors = xser.to_refs(state)
-    buf = io.BytesIO()
-    xser.dump_refs(ref_data, buf)
-    meta = tensor_meta(tensors, ref_paths(ref_data), attrs)
+    traced = xser.traced_refs(state)
+    tensors = traced.tensors
+    meta = tensor_meta(tensors, traced.paths, attrs)
     skip = set()
     for tid, m in meta.items():
         if m["key"] in (from_masters or {}):
             m[masters.INDEX_META] = from_masters[m["key"]]
             skip.add(tid)
-    return plan_shard(folder, name, groups[name], world.rank, buf.getvalue(), tensors, meta, use_xser, skip)
+    refs = RefPickle(traced.ref_data, deferred=traced.self_contained)
+    return plan_shard(folder, name, groups[name], world.rank, refs, tensors, meta, use_xser, skip)
 
 
 def validate_save_args(checkpoint_dir_str, tag, model, optimizer, scheduler, num_workers, use_xser,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import queue
 import threading
 import time
 from typing import Dict, List, Optional
@@ -27,6 +28,34 @@ log = logging.getLogger("nxd_ckpt")
 EXIT_TIMEOUT_S = 600.0
 
 
+class Feeder:
+    """One daemon thread that runs the on-device saves' host copies in turn. Started once: a save hands its
+    copy over with a queue put, where starting a thread made the caller wait until the new thread ran
+    (10-15 ms of the stall on a busy host: the device is copying the clones meanwhile)."""
+
+    def __init__(self):
+        self._queue: "queue.SimpleQueue" = queue.SimpleQueue()
+        self._thread: Optional[threading.Thread] = None
+        self._lock = threading.Lock()
+
+    def run(self, fn, *args) -> None:
+        """Queue ``fn(*args)``; returns at once. ``fn`` reports its own failures (Engine._feed_units does)."""
+        with self._lock:
+            if self._thread is None or not self._thread.is_alive():     # first use, or after a fork
+                self._thread = threading.Thread(target=self._loop, name="nxd_ckpt-feeder", daemon=True)
+                self._thread.start()
+        self._queue.put((fn, args))
+
+    def _loop(self) -> None:
+        while True:
+            fn, args = self._queue.get()
+            try:
+                fn(*args)
+            except BaseException:  # noqa: BLE001 - keep serving the next saves
+                log.exception("nxd_ckpt: the on-device snapshot's host copy failed")
+            del fn, args
+
+
 class Engine:
     def __init__(self):
         self.seq = 0
@@ -34,6 +63,7 @@ class Engine:
         self.runner: Optional[SaveRunner] = None
         self.budget: Optional[HostBudget] = None
         self.buffers: Optional[HostBufferPool] = None   # snapshot buffers kept between saves (staging.py)
+        self.feeder = Feeder()                           # host copies of on-device snapshots
         self.jobs: List[SaveJob] = []
         self.history: List[SaveStats] = []
         self.loading: set = set()
@@ -79,40 +109,37 @@ class Engine:
 
     def snapshot(self, job: SaveJob, plan: SavePlan, *, on_device: bool, timeout_s: float) -> None:
         """Feed the job every file of ``plan``. Blocks for the host copy (host mode) or only for the
-        on-device clone (device mode, host copy continues on a feeder thread). A failure before the files are
-        handed out (the on-device clone, say) fails the job like a failed copy does, on every rank: raised by
-        this save when synchronous, else by the next call; the job's queue is always closed."""
+        on-device clone (device mode: the host copy continues on the feeder thread). A failure before the files
+        are handed out (the on-device clone, say) fails the job like a failed copy does, on every rank: raised
+        by this save when synchronous, else by the next call; the job's queue is always closed."""
         try:
-            head = [bytes_task(rel, data) for rel, data in plan.small_files.items()]
-            for shard in plan.shards:
-                if shard.xser and shard.writes_ref:
-                    head.append(bytes_task(shard.relpath, shard.ref_bytes))
-                    head.append(_info_task(shard))
-            units, tensors = _units(plan, job)
+            tensors = plan.staged_tensors()
             if on_device:
-                threading.Thread(target=self._feed_units, args=(job, head, units, device_snapshot(tensors), timeout_s),
-                                 name="nxd_ckpt-d2h", daemon=True).start()
+                self.feeder.run(self._feed_units, job, plan, device_snapshot(tensors), timeout_s)
                 return
         except BaseException as exc:  # noqa: BLE001 - reported through the job, as _feed_units does
             job.tasks.add(failing_task(exc))
             job.tasks.close()
             return
-        self._feed_units(job, head, units, tensors, timeout_s)
+        self._feed_units(job, plan, tensors, timeout_s)
 
-    def _feed_units(self, job: SaveJob, head: List[WriteTask], units, tensors, timeout_s: float) -> None:
-        """Copy the tensors of ``units`` to host in budget-sized chunks and hand each file to the writers with
-        its share of the chunk's lease (released by the write pool once the file is written). ``head`` (files
-        of no staged bytes) goes with the first chunk. Always closes the queue.
+    def _feed_units(self, job: SaveJob, plan: SavePlan, tensors, timeout_s: float) -> None:
+        """Copy ``tensors`` (``plan.staged_tensors()`` or their on-device clones) to host in budget-sized chunks
+        and hand each file to the writers with its share of the chunk's lease (released by the write pool once
+        the file is written). The files of no staged bytes go with the first chunk. Always closes the queue.
 
         A chunk's files are queued together once it is copied: queued one by one, each woke a writer that
         then took the GIL from the copy loop (5,000 tensors: the hand-out took 0.1-0.4 s more)."""
         try:
+            head = _unstaged_files(plan)
+            units = _units(plan, job)
             sizes, starts = [], [0]
             for _, _, n in units:
                 start = starts[-1]
                 sizes.append(sum(tensor_nbytes(t) for t in tensors[start:start + n]) if n != 1
                              else tensor_nbytes(tensors[start]))
                 starts.append(start + n)
+            job.stats.staged_bytes = sum(sizes)
             for chunk in chunk_by_bytes(sizes, self.budget.capacity):
                 need = sum(sizes[i] for i in chunk)
                 with self.budget.lease(need, timeout_s) as lease:   # what is not handed out returns on exit
@@ -264,28 +291,33 @@ def _info_task(shard) -> WriteTask:
     return WriteTask(layout.info_path(shard.relpath), lambda f, meta=shard.tensor_meta: f.write(info_bytes(meta)))
 
 
-def _units(plan: SavePlan, job: SaveJob):
-    """The files this rank writes with staged tensors, as ``(units, tensors)``: a unit ``(make_file, arg, n)``
-    is a file of the next ``n`` tensors of the flat list ``tensors``; ``make_file(arg, host copies, lease)`` gives
-    its WriteTask. One unit per xser tensor file, one per whole non-xser shard, one
-    for the use_zero1_dcp data file (its entries' locations go into the job's report, for rank 0's .metadata).
+def _unstaged_files(plan: SavePlan) -> List[WriteTask]:
+    """The files of no staged tensor bytes: scheduler and user content (rank 0), and each xser shard's ref
+    file and ``.info.pt`` (its first replica), pickled by the writer that writes them."""
+    head = [bytes_task(rel, data) for rel, data in plan.small_files.items()]
+    for shard in plan.shards:
+        if shard.xser and shard.writes_ref:
+            head.append(WriteTask(shard.relpath, lambda f, refs=shard.refs: f.write(refs.get())))
+            head.append(_info_task(shard))
+    return head
+
+
+def _units(plan: SavePlan, job: SaveJob) -> list:
+    """The files this rank writes with staged tensors: a unit ``(make_file, arg, n)`` is a file of the next
+    ``n`` tensors of ``plan.staged_tensors()`` (the same order); ``make_file(arg, host copies, lease)`` gives its
+    WriteTask. One unit per xser tensor file, one per whole non-xser shard, one for the use_zero1_dcp data file
+    (its entries' locations go into the job's report, for rank 0's .metadata).
     Plain tuples and module functions, not a closure per file: a save of 5,000 tensors made 66,000 objects
     for the garbage collector, whose collections then ran inside the stall."""
     units: list = []
-    tensors: List = []
     if plan.dcp is not None:
-        ts = plan.dcp.tensors()
-        units.append((_dcp_file, (job, plan.dcp), len(ts)))
-        tensors.extend(ts)
+        units.append((_dcp_file, (job, plan.dcp), len(plan.dcp.tensors())))
     for shard in plan.shards:
         if shard.xser:
-            for tid in shard.my_tids:
-                units.append((_tensor_file, layout.tensor_path(shard.relpath, tid), 1))
-                tensors.append(shard.tensors[tid])
+            units.extend((_tensor_file, layout.tensor_path(shard.relpath, tid), 1) for tid in shard.my_tids)
         elif shard.writes_ref:
             units.append((_plain_file, shard, len(shard.my_tids)))
-            tensors.extend(shard.tensors[t] for t in shard.my_tids)
-    return units, tensors
+    return units
 
 
 def _tensor_file(relpath: str, host, lease) -> WriteTask:
@@ -293,7 +325,7 @@ def _tensor_file(relpath: str, host, lease) -> WriteTask:
 
 
 def _plain_file(shard, host, lease) -> WriteTask:
-    return WriteTask(shard.relpath, plain_shard_producer(shard.ref_bytes, dict(zip(shard.my_tids, host))), lease)
+    return WriteTask(shard.relpath, plain_shard_producer(shard.refs, dict(zip(shard.my_tids, host))), lease)
 
 
 def _dcp_file(job_dcp, host, lease) -> WriteTask:

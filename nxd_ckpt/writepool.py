@@ -15,7 +15,7 @@ import threading
 import traceback
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Iterator, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import torch
 
@@ -81,19 +81,18 @@ class PlainShardProducer:
     each of its zip records is taken as it is written (``ranges`` after the call, None when the layout was not
     the expected one), so that a resharding reader can check just the records it reads."""
 
-    ref_bytes: bytes
+    refs: Any                      # plan.RefPickle: its ``data()``
     host: Dict[int, torch.Tensor]
     ranges: Optional[tuple] = None
 
     def __call__(self, f) -> None:
-        refs = xser.load_refs(io.BytesIO(self.ref_bytes), trusted=True)
         sums = xser.RecordSums(f)
-        torch.save(xser.from_refs(refs, self.host.__getitem__), sums)
+        torch.save(xser.from_refs(self.refs.data(), self.host.__getitem__), sums)
         self.ranges = sums.ranges()
 
 
-def plain_shard_producer(ref_bytes: bytes, host: Dict[int, torch.Tensor]) -> PlainShardProducer:
-    return PlainShardProducer(ref_bytes, host)
+def plain_shard_producer(refs, host: Dict[int, torch.Tensor]) -> PlainShardProducer:
+    return PlainShardProducer(refs, host)
 
 
 def failing_task(exc: BaseException) -> WriteTask:

@@ -89,6 +89,8 @@ def test_later_mutations_do_not_reach_the_files(ckpt_root, clean_hook):
     sync()
     for st in opt.state.values():
         st["step"].add_(50)
+    opt.param_groups[0]["lr"] = 0.5                # the ref file is pickled by a writer, after the call
+    opt.param_groups[0]["betas"] = (0.0, 0.0)
     user["step"] = 999
     user["items"].append(3)
     gate.set()

@@ -1,6 +1,13 @@
-"""The size-balanced split of a DP-replicated shard's tensors over its replicas (save and load use it)."""
+"""Planning: the size-balanced split of a DP-replicated shard's tensors over its replicas (save and load use
+it), and when a shard's ref data is pickled."""
 from __future__ import annotations
 
+import copy
+import io
+
+import numpy as np
+import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -40,7 +47,7 @@ def test_expert_parallel_shards_write_what_nxd_puts_in_their_folders():
     import torch
 
     from nxd_ckpt import layout
-    from nxd_ckpt.plan import home_filename, optim_filename, plan_shard, replica_groups
+    from nxd_ckpt.plan import RefPickle, home_filename, optim_filename, plan_shard, replica_groups
     from parallel_state.topology import Topology
 
     tensors = [torch.zeros(4), torch.zeros(8), torch.zeros(2), torch.zeros(6)]
@@ -49,7 +56,7 @@ def test_expert_parallel_shards_write_what_nxd_puts_in_their_folders():
     for ep, replicas in ((0, [0, 2]), (1, [1, 3])):
         name = layout.shard_filename(0, 0, 0, ep)
         for r in replicas:
-            mine[r] = plan_shard("model", name, replicas, r, b"", tensors, meta, xser=True).my_tids
+            mine[r] = plan_shard("model", name, replicas, r, RefPickle.of_bytes(b""), tensors, meta, xser=True).my_tids
     assert sorted(mine[0] + mine[2]) == [0, 1, 2, 3] and not set(mine[0]) & set(mine[2])
     assert sorted(mine[1] + mine[3]) == [0, 2]
     assert layout.tensor_home("model/" + layout.shard_filename(0, 1, 0, 3), expert=False) == \
@@ -80,3 +87,29 @@ def test_zero1_names_under_expert_and_context_parallelism_are_refused():
     with pytest.raises(CheckpointArgumentError, match="EP=2 with CP=2 .* named by the DP rank alone"):
         optim_filename(t, 0, zero1=True)
     assert optim_filename(Topology(8, tp=2, cp=2), 2, zero1=True) == "dp_rank_00_tp_rank_00_pp_rank_00.pt"
+
+
+def _optimizer_state(extra):
+    return {"state": {0: {"exp_avg": torch.ones(2), "step": torch.tensor(3.0)}},
+            "param_groups": [{"lr": 0.1, "betas": [0.9, 0.99], "params": [0], "extra": extra}]}
+
+
+@pytest.mark.parametrize("extra,deferred", [(["a", 1], True), (np.array([1, 2]), False)], ids=["plain", "array"])
+def test_a_mutation_after_planning_never_reaches_the_ref_pickle(extra, deferred):
+    """Self-contained ref data is pickled by the writer, later; anything else at call time. Either way the
+    bytes are those of the call."""
+    import xser
+    from nxd_ckpt.capture import build_plan
+    from nxd_ckpt.world import current_world
+
+    osd = _optimizer_state(extra)
+    want = io.BytesIO()
+    xser.dump_refs(xser.to_refs(_optimizer_state(copy.deepcopy(extra)))[0], want)
+    plan = build_plan(current_world(), None, osd, None, None, True, False)
+    refs = plan.shards[0].refs
+    assert refs.pickled is not deferred
+    group = osd["param_groups"][0]
+    group["lr"] = 5.0
+    group["betas"].append(1.0)
+    group["extra"][0] = 7
+    assert refs.get() == want.getvalue()

@@ -173,3 +173,62 @@ def test_load_refs_maps_class_to_ours(trusted):
     buf.seek(0)
     back = xser.load_refs(buf, trusted=trusted)
     assert [type(r) for r in back] == [xser.TensorReference] * 2 and back[0].tid == 3
+
+
+def _generic_to_refs(data):
+    """to_refs as the generic rewriter does it (no tracing): the reference traced_refs must equal."""
+    tensors = []
+
+    def convert(t):
+        tensors.append(t)
+        return xser.TensorReference(len(tensors) - 1)
+
+    return xser.refs._Rewriter(lambda x: isinstance(x, torch.Tensor), convert)(data), tensors
+
+
+def _pickled(ref_data) -> bytes:
+    buf = io.BytesIO()
+    xser.dump_refs(ref_data, buf)
+    return buf.getvalue()
+
+
+@SETTINGS
+@given(nested(POOL))
+def test_traced_refs_gives_the_generic_walks_tids_and_pickle(data):
+    traced = xser.traced_refs(data)
+    ref_data, tensors = _generic_to_refs(data)
+    assert [id(t) for t in traced.tensors] == [id(t) for t in tensors]
+    assert _pickled(traced.ref_data) == _pickled(ref_data)
+
+
+@SETTINGS
+@given(nested(POOL, custom=False))
+def test_traced_paths_are_the_key_paths_of_the_ref_data(data):
+    from nxd_ckpt.capture import ref_paths
+
+    traced = xser.traced_refs(data)
+    assert traced.paths == ref_paths(traced.ref_data)
+    assert traced.self_contained
+
+
+def test_traced_paths_of_a_state_dict():
+    a, b = torch.zeros(2), torch.ones(3)
+    sd = OrderedDict([("w", a), ("tied", a)])
+    sd._metadata = {"": {"version": 1}}
+    osd = {"state": {0: {"exp_avg": b, "step": torch.tensor(1.0)}}, "param_groups": [{"lr": 0.1, "params": [0]}]}
+    traced = xser.traced_refs({"model": sd, "optim": osd, "seq": (a, [b])})
+    assert traced.paths == {0: "model/w", 1: "optim/state/0/exp_avg", 2: "optim/state/0/step"}
+    assert traced.self_contained
+
+
+@pytest.mark.parametrize("leaf", [bytearray(b"ab"), Box(1, 2), memoryview(b"ab")], ids=["bytearray", "object", "view"])
+def test_traced_refs_is_not_self_contained_with_a_mutable_leaf(leaf):
+    traced = xser.traced_refs({"w": torch.zeros(1), "x": [leaf]})
+    assert not traced.self_contained
+    assert traced.paths == {0: "w"}
+
+
+def test_a_tensor_inside_an_object_has_no_path():
+    t = torch.zeros(1)
+    traced = xser.traced_refs({"box": Box(t, 1)})
+    assert traced.tensors == [t] and traced.paths == {}

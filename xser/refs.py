@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import types
+from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Tuple
 
 import torch
@@ -45,6 +46,8 @@ def is_ref(obj: Any) -> bool:
 # Values returned as they are: no tensors can hide inside them.
 _ATOMIC = (type(None), bool, int, float, complex, str, bytes, bytearray, range, slice, type(Ellipsis),
            torch.dtype, torch.device, torch.layout, torch.memory_format, torch.Size)
+# The exact types among them whose values cannot change after the call.
+_IMMUTABLE = frozenset(t for t in _ATOMIC if t is not bytearray)
 # Objects that have a __dict__ but are code or namespaces, not data: never copied.
 _OPAQUE = (type, types.FunctionType, types.MethodType, types.BuiltinFunctionType, types.ModuleType,
            types.CodeType, types.MethodWrapperType, types.WrapperDescriptorType)
@@ -78,11 +81,18 @@ class _Rewriter:
         if isinstance(value, list):
             return self._list(value)
         if isinstance(value, tuple):
-            return self._finish(value, self._tuple(value, [self(x) for x in value]))
+            return self._finish(value, self._tuple(value, self._elements(value)))
         if isinstance(value, (set, frozenset)):
             return self._set(value)
         if hasattr(value, "__dict__") and not isinstance(value, _OPAQUE):
             return self._object(value)
+        return self._kept(value)
+
+    def _elements(self, value: tuple) -> List[Any]:
+        return [self(x) for x in value]
+
+    def _kept(self, value: Any) -> Any:
+        """An object returned as it is (no __dict__ to rewrite, or code)."""
         return value
 
     def _finish(self, value: Any, result: Any) -> Any:
@@ -176,14 +186,120 @@ def to_refs(data: Any) -> Tuple[Any, List[torch.Tensor]]:
     tids follow depth-first first-encounter order; the same tensor object met twice gets one tid.
     The returned tensors are the original objects (XLA or CPU), not copies.
     """
-    tensors: List[torch.Tensor] = []
+    refs = traced_refs(data)
+    return refs.ref_data, refs.tensors
 
-    def convert(t: torch.Tensor) -> TensorReference:
-        tensors.append(t)
-        return TensorReference(len(tensors) - 1)
 
-    ref_data = _Rewriter(lambda x: isinstance(x, torch.Tensor), convert)(data)
-    return ref_data, tensors
+@dataclass
+class TracedRefs:
+    """``to_refs`` plus what a checkpoint writer needs from the same walk.
+
+    ``paths``: tid -> '/'-joined dict keys and list/tuple indices of the tensor's first occurrence reached
+    through dicts, lists and tuples alone (a tensor met only inside a custom object or a set has none).
+    ``self_contained``: ``ref_data`` is made of fresh containers, references and immutable values alone, so
+    it can be pickled later, on another thread, with the same bytes whatever the caller mutates meanwhile."""
+
+    ref_data: Any
+    tensors: List[torch.Tensor]
+    paths: Dict[int, str]
+    self_contained: bool
+
+
+def traced_refs(data: Any) -> TracedRefs:
+    """``to_refs`` (same tids, same copy) that also records key paths and whether the copy is self-contained."""
+    walk = _TracingRewriter()
+    ref_data = walk(data)
+    return TracedRefs(ref_data, walk.tensors, walk.paths, walk.self_contained)
+
+
+class _TracingRewriter(_Rewriter):
+    """to_refs' walk. The key path is kept on a stack; inside a custom object, a set or a container's
+    attributes it is not (``_hidden``), as a reader of the ref data's dicts and lists would not see it."""
+
+    def __init__(self):
+        super().__init__(_is_tensor, None)
+        self.tensors: List[torch.Tensor] = []
+        self.paths: Dict[int, str] = {}
+        self.self_contained = True
+        self._path: List[str] = []
+        self._hidden = 0
+
+    def __call__(self, value: Any) -> Any:
+        if isinstance(value, torch.Tensor):      # the leaf, first: most of a state dict
+            ref = self.memo.get(id(value))
+            if ref is None:
+                ref = self.memo[id(value)] = TensorReference(len(self.tensors))
+                self.tensors.append(value)
+            if not self._hidden and ref.tid not in self.paths:
+                self.paths[ref.tid] = "/".join(self._path)
+            return ref
+        if isinstance(value, _ATOMIC) and type(value) not in _IMMUTABLE:
+            self.self_contained = False      # a bytearray, or a subclass that may carry mutable attributes
+        return super().__call__(value)
+
+    def _dict(self, value: dict) -> dict:
+        result = _empty_like(value, dict)
+        self.memo[id(value)] = result
+        path = self._path
+        for k, v in value.items():
+            if type(k) is str:      # most keys: returned as they are
+                path.append(k)
+            else:
+                path.append(str(k))
+                self._hidden += 1
+                k = self(k)
+                self._hidden -= 1
+            result[k] = self(v)
+            path.pop()
+        self._attrs(result)
+        return result
+
+    def _list(self, value: list) -> list:
+        result = _empty_like(value, list)
+        self.memo[id(value)] = result
+        result.extend(self._elements(value))
+        self._attrs(result)
+        return result
+
+    def _elements(self, value) -> List[Any]:
+        path, out = self._path, []
+        for i, x in enumerate(value):
+            path.append(str(i))
+            out.append(self(x))
+            path.pop()
+        return out
+
+    def _set(self, value):
+        self._hidden += 1
+        try:
+            return super()._set(value)
+        finally:
+            self._hidden -= 1
+
+    def _object(self, value: Any) -> Any:
+        self.self_contained = False      # its class's pickling may read state the caller can change
+        self._hidden += 1
+        try:
+            return super()._object(value)
+        finally:
+            self._hidden -= 1
+
+    def _attrs(self, obj: Any) -> None:
+        if getattr(obj, "__dict__", None):
+            self._hidden += 1
+            try:
+                super()._attrs(obj)
+            finally:
+                self._hidden -= 1
+
+    def _kept(self, value: Any) -> Any:
+        if not isinstance(value, _OPAQUE):   # e.g. a numpy array: pickled from the caller's live object
+            self.self_contained = False
+        return value
+
+
+def _is_tensor(value: Any) -> bool:
+    return isinstance(value, torch.Tensor)
 
 
 def from_refs(ref_data: Any, get_tensor: Callable[[int], torch.Tensor]) -> Any:
