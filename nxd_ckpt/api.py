@@ -51,7 +51,8 @@ def save_checkpoint(checkpoint_dir_str, tag, model=None, optimizer=None, schedul
                     num_workers=8, use_xser=False, num_kept_ckpts=None, async_save=False, zero1_optimizer=False,
                     use_zero1_dcp=False, avoid_saving_lower_precision_weights=False,
                     *, host_memory_budget: Optional[int] = None, device_snapshot: bool = False,
-                    keep_host_buffers: bool = True, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+                    keep_host_buffers: bool = True, reuse_retired_files: bool = True,
+                    timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
     """Save a checkpoint under ``checkpoint_dir_str/tag`` in NxD's layout. Every rank calls it.
 
     Blocks for: argument checks, pickling small state, and the device-to-host snapshot of this rank's
@@ -66,6 +67,11 @@ def save_checkpoint(checkpoint_dir_str, tag, model=None, optimizer=None, schedul
     ``host_memory_budget`` bytes) so the next save of the same shapes reuses them instead of faulting in
     fresh memory; ``False`` frees them when this save's files are written (and drops those kept so far).
     :func:`release_host_buffers` frees them at any time.
+
+    ``reuse_retired_files=True`` (a filesystem checkpoint_dir): the tag ``num_kept_ckpts`` retention removes is
+    kept in ``checkpoint_dir/.nxd_ckpt_reuse/`` until the next save, which renames its files into place and
+    overwrites them instead of creating new files (``nxd_ckpt.reuse``: file creation is most of the CPU of
+    writing small files); ``False`` deletes it, and empties that folder.
     """
     called_at = time.monotonic()
     tag = validate_save_args(checkpoint_dir_str, tag, model, optimizer, scheduler, num_workers, use_xser,
@@ -78,6 +84,8 @@ def save_checkpoint(checkpoint_dir_str, tag, model=None, optimizer=None, schedul
         raise CheckpointArgumentError(f"host_memory_budget must be a positive number of bytes, got {host_memory_budget!r}")
     if not isinstance(keep_host_buffers, bool):
         raise CheckpointArgumentError(f"keep_host_buffers must be True or False, got {keep_host_buffers!r}")
+    if not isinstance(reuse_retired_files, bool):
+        raise CheckpointArgumentError(f"reuse_retired_files must be True or False, got {reuse_retired_files!r}")
     engine = get_engine()
     engine.raise_pending()
     world = current_world()
@@ -85,7 +93,7 @@ def save_checkpoint(checkpoint_dir_str, tag, model=None, optimizer=None, schedul
         plan = build_plan(world, model, optimizer, scheduler, user_content, use_xser, zero1_optimizer,
                           avoid_saving_lower_precision_weights, use_zero1_dcp)
         job = engine.start_job(world, storage, tag, plan, num_kept_ckpts, num_workers, timeout_s,
-                               host_memory_budget, called_at, keep_host_buffers)
+                               host_memory_budget, called_at, keep_host_buffers, reuse_retired_files)
         if not device_snapshot:
             engine.snapshot(job, plan, on_device=False, timeout_s=timeout_s)
     if device_snapshot:

@@ -13,7 +13,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Dict, Iterable, List, Optional, Set, Tuple, Union
 
-from . import layout
+from . import layout, reuse
 from .manifest import Manifest, ManifestDraft, sealed, seal
 from .storage import AlreadyExistsError, Storage
 from .storage.listed import listed
@@ -340,12 +340,13 @@ def complete_tags(storage: Storage) -> List[str]:
     return [t.tag for t in scan_tags(storage) if t.complete]
 
 
-def delete_tag(storage: Storage, name: str, seen: Optional[Storage] = None) -> None:
+def delete_tag(storage: Storage, name: str, seen: Optional[Storage] = None, reuse_files: bool = False) -> None:
     """Remove a tag so that an interrupted delete never leaves a complete-looking directory, nor one that
     retention no longer recognises: `done` first. On POSIX the manifest next, then the directory is
     renamed to ``<name>.nxdold`` before its files go (debris recognised by name). Without rename see
     ``_delete_objects``. ``seen``: a listing the caller already holds (retention's), which names the tag's
-    objects without another LIST."""
+    objects without another LIST. ``reuse_files``: its files are kept for the next save to take over
+    (``reuse.retire``) where the storage can, instead of deleted."""
     storage.remove_file(f"{name}/{layout.DONE_MARKER}")
     if not storage.caps.rename:
         _delete_objects(storage, name, seen or storage)
@@ -360,6 +361,8 @@ def delete_tag(storage: Storage, name: str, seen: Optional[Storage] = None) -> N
             name = doomed
         except OSError:
             pass   # remove it in place
+    if reuse_files and reuse.retire(storage, name):
+        return
     storage.remove_tree(name)
 
 
@@ -374,11 +377,12 @@ def _delete_objects(storage: Storage, name: str, seen: Storage) -> None:
 
 
 def apply_retention(storage: Storage, num_kept: Optional[int], protected: Iterable[str] = (),
-                    in_flight: Iterable[str] = ()) -> List[str]:
+                    in_flight: Iterable[str] = (), reuse_files: bool = False) -> List[str]:
     """Rank 0 after a successful commit: keep the newest ``num_kept`` complete tags (all when None or
     -1), delete older complete ones, incomplete ones left by crashes and staging debris. Never deletes the
     newest complete tag, a protected tag, or anything not recognisably a checkpoint. Returns what it
-    deleted."""
+    deleted. ``reuse_files``: the last one deleted is kept for the next save to take its files over
+    (reuse.py); False also empties what an earlier retirement kept."""
     protected = set(protected)
     repair_interrupted(storage, set(in_flight) | protected)
     busy: Set[str] = set(in_flight) | {staging_name(t) for t in in_flight}
@@ -399,12 +403,15 @@ def apply_retention(storage: Storage, num_kept: Optional[int], protected: Iterab
             storage.remove_file(name)   # e.g. `newest.nxdtmp` of a crash while replacing `newest`
     if num_kept is not None and num_kept != -1:
         keep = set(complete[: max(1, num_kept)])
-        doomed += [t for t in complete if t not in keep and t not in protected]
+        # oldest first: a crash part-way leaves the newer ones, and the last one retired (reuse.py) is the newest
+        doomed += [t for t in reversed(complete) if t not in keep and t not in protected]
     doomed += [t.tag for t in tags if not t.complete and t.tag not in busy and t.tag not in protected]
     doomed = [t for t in doomed if _is_special(t) or _is_tag_dir(seen, t)]
     for name in doomed:
         log.info("nxd_ckpt: retention removes %s", name)
-        delete_tag(storage, name, seen)
+        delete_tag(storage, name, seen, reuse_files)
+    if not reuse_files and storage.caps.reuse_files:
+        storage.remove_tree(reuse.REUSE_DIR)
     if doomed:
         storage.sync_dirs([""])
     return doomed

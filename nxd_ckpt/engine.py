@@ -73,7 +73,7 @@ class Engine:
     # --- saves -------------------------------------------------------------------------------------
     def start_job(self, world: World, storage: Storage, tag: str, plan: SavePlan, num_kept, num_workers: int,
                   timeout_s: float, budget_bytes: Optional[int], called_at: float,
-                  keep_buffers: bool = True) -> SaveJob:
+                  keep_buffers: bool = True, reuse_files: bool = True) -> SaveJob:
         self._ensure_runner(world, budget_bytes, keep_buffers)
         self.seq += 1
         # Keys are per tag (and per save of that tag), not per call: a rank that raised before starting
@@ -86,6 +86,7 @@ class Engine:
             seq=self.seq, tag=tag, storage=storage, rank=world.rank, coordinator=coord,
             info=_manifest_info(world, plan), num_kept=num_kept, num_workers=num_workers,
             in_flight=self.in_flight_tags, protected=lambda: sorted(self.loading), called_at=called_at,
+            reuse_files=reuse_files,
         )
         with self._lock:
             self.jobs.append(job)

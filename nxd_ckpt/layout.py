@@ -20,6 +20,7 @@ NEWEST_FILE = "newest"              # ours, in the checkpoint dir: the newest co
 TMP_SUFFIX = ".nxdtmp"              # files being written; never part of a complete checkpoint
 OLD_SUFFIX = ".nxdold"              # a tag being replaced or deleted
 RESERVED_SUFFIXES = (TMP_SUFFIX, OLD_SUFFIX)
+REUSE_DIR = ".nxd_ckpt_reuse"        # ours, in the checkpoint dir: the files of a tag retention retired (reuse.py)
 INFO_SUFFIX = ".info.pt"
 DCP_METADATA_FILE = ".metadata"      # torch.distributed.checkpoint's metadata (NxD's use_zero1_dcp optimizer)
 TENSORS_SUFFIX = ".tensors"
@@ -125,8 +126,8 @@ def validate_tag(tag) -> str:
             f"checkpoint tag {text!r} is '.' or contains '/', '\\' or '..': a tag names one directory directly "
             "under checkpoint_dir; pass e.g. 'step_1000'"
         )
-    if text.endswith(RESERVED_SUFFIXES) or text in (NEWEST_FILE,):
-        raise ValueError(f"checkpoint tag {text!r} is a name nxd-ckpt reserves (`newest`, or ending in "
+    if text.endswith(RESERVED_SUFFIXES) or text in (NEWEST_FILE, REUSE_DIR):
+        raise ValueError(f"checkpoint tag {text!r} is a name nxd-ckpt reserves (`newest`, `{REUSE_DIR}`, or ending in "
                          f"{' or '.join(RESERVED_SUFFIXES)}); choose another, e.g. 'step_1000'")
     return text
 

@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional
 
-from . import commit, layout, manifest
+from . import commit, layout, manifest, reuse
 from .coord import Coordinator
 from .errors import RankFailureError, describe_causes
 from .staging import release_host_memory
@@ -109,6 +109,7 @@ class SaveJob:
     in_flight: Callable[[], List[str]]
     protected: Callable[[], List[str]]
     called_at: float
+    reuse_files: bool = True                # take over a retired tag's files; retention retires (reuse.py)
     tasks: TaskQueue = field(default_factory=TaskQueue)
     finished: threading.Event = field(default_factory=threading.Event)
     error: Optional[BaseException] = None
@@ -153,7 +154,8 @@ def run_job(job: SaveJob, pool: WritePool) -> None:
     workdir = commit.strategy_for(job.storage).workdir(job.tag)
     coord = job.coordinator
     _prepare(job, workdir)
-    written = pool.write_all(job.tasks, job.storage, workdir, job.num_workers)
+    reuse_from = reuse.source(job.storage) if job.reuse_files else None
+    written = pool.write_all(job.tasks, job.storage, workdir, job.num_workers, reuse_from)
     job.stats.bytes, job.stats.files, job.stats.write_done_s = written.nbytes, len(written.records), job.since_call()
     report = _report_of(job, written).to_json()
     del written     # one record per file, now in the report: not kept through the commit
@@ -303,7 +305,8 @@ def _retain(job: SaveJob) -> None:
     try:
         # The tag just committed is never a candidate, even if another tag's `done` looks newer (clock skew).
         job.stats.retention_deleted = commit.apply_retention(
-            job.storage, job.num_kept, list(job.protected()) + [job.tag], [t for t in job.in_flight() if t != job.tag])
+            job.storage, job.num_kept, list(job.protected()) + [job.tag], [t for t in job.in_flight() if t != job.tag],
+            job.reuse_files)
     except Exception as exc:  # noqa: BLE001
         job.stats.retention_error = describe(exc)
         log.warning("nxd_ckpt: checkpoint %s is complete, but removing old checkpoints failed: %s. The next "

@@ -215,14 +215,16 @@ class WritePool:
                                              initializer=lower_thread_priority)
         return self._small
 
-    def write_all(self, tasks: TaskQueue, storage: Storage, workdir: str, workers: int) -> WriteResult:
+    def write_all(self, tasks: TaskQueue, storage: Storage, workdir: str, workers: int,
+                  reuse_from: Optional[str] = None) -> WriteResult:
         """Write every task of ``tasks`` under ``workdir`` until the queue is closed, then make the files
         durable in one batch. Blocks the calling thread (the runner) until then; never raises: the first
         failure is described in the result, and the tasks after it are dropped (their memory released).
-        Small files go to one thread of their own where ``storage`` says so (``SMALL_WRITER``)."""
+        Small files go to one thread of their own where ``storage`` says so (``SMALL_WRITER``).
+        ``reuse_from``: a retired tag (reuse.source) whose file at a task's path is taken over for it."""
         pool = self._executor(max(1, workers))
         small = self._small_writer() if SMALL_WRITER and storage.small_files_one_writer() else pool
-        write = functools.partial(_write_one, storage, workdir)
+        write = functools.partial(_write_one, storage, workdir, reuse_from)
         futures: List[Future] = []
         failed: List[Future] = []      # appended by done-callbacks: no rescan of every future per task (O(n^2))
         error: Optional[str] = None
@@ -283,7 +285,7 @@ def _make_durable(storage: Storage, workdir: str, records: List[FileRecord]) -> 
     return None
 
 
-def _write_one(storage: Storage, workdir: str, task: WriteTask) -> FileRecord:
+def _write_one(storage: Storage, workdir: str, reuse_from: Optional[str], task: WriteTask) -> FileRecord:
     seen: List[OSError] = []
 
     def produce(f):
@@ -297,7 +299,8 @@ def _write_one(storage: Storage, workdir: str, task: WriteTask) -> FileRecord:
             raise
 
     rec = storage.write_file(f"{workdir}/{task.relpath}", produce, durable=False, atomic=False,
-                             size_hint=task.lease.nbytes)
+                             size_hint=task.lease.nbytes,
+                             reuse=f"{reuse_from}/{task.relpath}" if reuse_from is not None else None)
     ranges = task.produce.ranges if isinstance(task.produce, PlainShardProducer) else None
     return FileRecord(task.relpath, rec.size, rec.crc32c, ranges)
 

@@ -11,6 +11,9 @@ To compare two versions of the library, run it alternately from two checkouts (`
 which is how README "Levers measured" measured "fewer GC-tracked objects per save"
 (bench_out/ab_gc_pressure_*.json). Every save goes into a folder of its own under ``--dir``; nothing is removed
 (a mass deletion right before a save slows file creation on this VM's ext4: README "Levers measured").
+``--num-kept N`` saves into one folder with ``num_kept_ckpts=N`` instead, as a training job does (retention
+after every save: "reuse the retired tag's files"); ``--no-reuse`` passes ``reuse_retired_files=False`` (the same
+checkout, both ways); ``--device-snapshot`` saves with ``device_snapshot=True``.
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ import json
 import os
 import statistics
 import sys
+import time
 import uuid
 
 
@@ -32,6 +36,10 @@ def main(argv=None) -> int:
     p.add_argument("--state", choices=("fp32", "bf16-adam"), default="fp32")
     p.add_argument("--saves", type=int, default=6, help="saves in a row; the first is not counted")
     p.add_argument("--dir", default="/tmp/nxd_ckpt_ab_saves")
+    p.add_argument("--num-kept", type=int, default=None,
+                   help="save into one folder with this num_kept_ckpts (default: a folder per save, no retention)")
+    p.add_argument("--no-reuse", action="store_true", help="reuse_retired_files=False")
+    p.add_argument("--device-snapshot", action="store_true", help="device_snapshot=True")
     args = p.parse_args(argv)
     if args.saves < 2:
         p.error("--saves must be at least 2 (the first is not counted)")
@@ -44,6 +52,10 @@ def main(argv=None) -> int:
         p.error(f"nxd_ckpt was imported from {nxd_ckpt.__file__}, not from --code {code}")
     model, optim, _ = bench.build_state(int(args.size_gb * 1e9), args.tensors, bench.device(), args.state)
     kw = {"model": model, **({"optimizer": optim} if optim is not None else {})}
+    if args.no_reuse:
+        kw["reuse_retired_files"] = False
+    if args.device_snapshot:
+        kw["device_snapshot"] = True
     gb = bench.nbytes({"model": model, "optimizer": optim} if optim is not None else model) / 1e9
     full = [0]          # counted here, not by bench.py's counter: an older checkout's bench.py has none
 
@@ -54,18 +66,24 @@ def main(argv=None) -> int:
     cache, root, runs = bench.Cache(), os.path.join(args.dir, uuid.uuid4().hex), []
     for i in range(args.saves):
         cache.drop(root)
-        g, c = full[0], bench.cpu_time()
-        nxd_ckpt.save_checkpoint(f"{root}/{i}", f"t{i}", async_save=True, use_xser=True, **kw)
+        g, c, t = full[0], bench.cpu_time(), time.perf_counter()
+        if args.num_kept is None:
+            nxd_ckpt.save_checkpoint(f"{root}/{i}", f"t{i}", async_save=True, use_xser=True, **kw)
+        else:
+            nxd_ckpt.save_checkpoint(root, f"t{i}", async_save=True, use_xser=True, num_kept_ckpts=args.num_kept, **kw)
         nxd_ckpt.finalize_checkpoint()
         st = nxd_ckpt.save_stats()[-1]
         runs.append({"cpu_s_per_gb": (bench.cpu_time() - c) / gb, "full_collections": full[0] - g,
+                     "finalized_s": time.perf_counter() - t,
                      "commit_s": st["commit_s"], "stall_s": st["stall_s"]})
     counted = runs[1:]
-    print(json.dumps({"code": code, "saves": len(counted),
+    print(json.dumps({"code": code, "saves": len(counted), "num_kept": args.num_kept, "reuse": not args.no_reuse,
+                      "device_snapshot": args.device_snapshot,
                       "cpu": round(statistics.median(r["cpu_s_per_gb"] for r in counted), 3),
                       "full_gcs": sum(r["full_collections"] for r in counted),
                       "commit": round(statistics.median(r["commit_s"] for r in counted), 3),
                       "stall": round(statistics.median(r["stall_s"] for r in counted), 3),
+                      "finalized": round(statistics.median(r["finalized_s"] for r in counted), 3),
                       "cpus": [round(r["cpu_s_per_gb"], 2) for r in counted]}))
     return 0
 

@@ -48,6 +48,31 @@ def top_level(root: str) -> list:
     return sorted(s.listdir("")) if s.isdir("") else []
 
 
+def retired(root: str) -> list:
+    """What the reuse folder holds (nxd_ckpt.reuse: the tag retention retired last, for the next save to take
+    its files over), checked: at most one tag, never one that looks complete."""
+    from nxd_ckpt.layout import DONE_MARKER, MANIFEST_FILE, REUSE_DIR
+
+    s = storage_of(root)
+    held = s.listdir(REUSE_DIR)
+    assert len(held) <= 1, f"the reuse folder holds more than one retired tag: {held}"
+    for name in held:
+        assert not s.exists(f"{REUSE_DIR}/{name}/{DONE_MARKER}"), name
+        assert not s.exists(f"{REUSE_DIR}/{name}/{MANIFEST_FILE}"), name
+    return held
+
+
+def tags_on_disk(root: str) -> list:
+    """``top_level`` without the reuse folder, whose content ``retired`` checks."""
+    from nxd_ckpt.layout import REUSE_DIR
+
+    names = top_level(root)
+    if REUSE_DIR in names:
+        names.remove(REUSE_DIR)
+        retired(root)
+    return names
+
+
 def overwrite(root: str, rel: str, data: bytes) -> None:
     """Replace a file's bytes behind the storage's back, as a bad disk or a bucket edit would (no checksum
     is recorded anywhere)."""

@@ -249,20 +249,31 @@ def arm(phase: str, rank: int, victim: bool, everyone: bool, second: str = SECON
     elif phase == "newest":
         set_write_hook(lambda rel: die() if rel == "newest" else None)
     elif phase == "retention":
-        # the real delete_tag runs (done, manifest, rename to .nxdold) and dies while removing the files
+        # the real delete_tag runs (done, manifest, rename to .nxdold) and dies while removing the files, or
+        # while moving them into the reuse folder (nxd_ckpt.reuse) with one of them gone
+        from nxd_ckpt.layout import REUSE_DIR
         from nxd_ckpt.storage.local import LocalStorage
 
-        original_remove_tree = LocalStorage.remove_tree
+        original_remove_tree, original_rename = LocalStorage.remove_tree, LocalStorage.rename
 
-        def remove_some_then_die(self, relpath):
-            path = self.path(relpath)
+        def remove_one_then_die(storage, relpath):
+            path = storage.path(relpath)
             if relpath.endswith(".nxdold") and os.path.isdir(path):
                 victim = next(os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs)
                 os.unlink(victim)
                 die()
+
+        def remove_some_then_die(self, relpath):
+            remove_one_then_die(self, relpath)
             original_remove_tree(self, relpath)
 
+        def retire_some_then_die(self, src, dst):
+            if dst.startswith(REUSE_DIR + "/"):
+                remove_one_then_die(self, src)
+            original_rename(self, src, dst)
+
         LocalStorage.remove_tree = remove_some_then_die
+        LocalStorage.rename = retire_some_then_die
 
         from nxd_ckpt.storage.objects import ObjectStorage
 

@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from backends import ckpt_root, exists, files_under, top_level  # noqa: F401 - ckpt_root is a fixture
+from backends import ckpt_root, exists, files_under, tags_on_disk, top_level  # noqa: F401 - ckpt_root is a fixture
 from harness import run_ranks
 from tiny_models import TinyShard, assert_bit_equal, sync, to_cpu_state, train_steps, xla_device
 
@@ -114,7 +114,7 @@ def test_twenty_async_saves_keep_exactly_two(ckpt_root):
         nxd_ckpt.save_checkpoint(root, f"step_{i}", model=model, async_save=True, num_kept_ckpts=2, use_xser=True)
     nxd_ckpt.finalize_checkpoint()
     assert nxd_ckpt.list_checkpoints(root) == ["step_19", "step_18"]
-    assert top_level(root) == ["newest", "step_18", "step_19"]
+    assert tags_on_disk(root) == ["newest", "step_18", "step_19"]
     fresh = TinyShard(seed_offset=1).to(xla_device())
     nxd_ckpt.load_checkpoint(root, model=fresh)
     assert_bit_equal(to_cpu_state(model.state_dict()), to_cpu_state(fresh.state_dict()))

@@ -14,6 +14,7 @@ import subprocess
 import pytest
 
 import crash_worker as cw
+from backends import tags_on_disk
 from harness import run_ranks
 from s3_fixtures import moto_endpoint, s3_url  # noqa: F401 - fixtures
 from tiny_models import all_files
@@ -97,7 +98,7 @@ def test_sigkill_during_async_save(tmp_path, backend, phase, who, request):
     run_ranks(cw.restart_run, WORLD, root, side, expect_step, num_kept, timeout=120)
     kept = [cw.RESUMED] + complete_after[: num_kept - 1]
     assert nxd_ckpt.list_checkpoints(root) == kept
-    assert sorted(storage.listdir("")) == sorted(kept + ["newest"]), "debris left behind"
+    assert tags_on_disk(root) == sorted(kept + ["newest"]), "debris left behind"
     assert storage.read("newest").decode() == cw.RESUMED
     for tag in kept:
         _tag_files_exact(storage, tag)
@@ -192,7 +193,7 @@ def test_disk_full(small_disk):
         assert res["complete"] == ["small"], res
     assert results[0]["listing_after_sync"] == ["newest", "small"], results[0]
     assert nxd_ckpt.list_checkpoints(root) == ["small2"]
-    assert sorted(os.listdir(root)) == ["newest", "small2"]
+    assert tags_on_disk(root) == ["newest", "small2"]
     from nxd_ckpt.storage import open_storage
 
     _tag_files_exact(open_storage(root), "small2")
@@ -222,7 +223,7 @@ def test_failed_prepare_leaks_neither_memory_nor_files(tmp_path):
             nxd_ckpt.save_checkpoint(root, "bad", model=model, host_memory_budget=4096, timeout_s=10, use_xser=True)
         assert "save again" in str(info.value)
         set_write_hook(None)
-        assert sorted(os.listdir(root)) == ["good", "newest"]
+        assert tags_on_disk(root) == ["good", "newest"]
         nxd_ckpt.save_checkpoint(root, "next", model=model, host_memory_budget=4096, timeout_s=10, use_xser=True)
         assert budget.used == 0
     finally:
@@ -273,7 +274,7 @@ def test_a_caught_async_failure_leaves_the_ranks_in_step(tmp_path):
         assert "'bad'" in raised[0][1] and "No space left on device" in raised[0][1]
         assert "call it again" in raised[0][1]
     assert nxd_ckpt.list_checkpoints(root) == ["s1"]
-    assert sorted(os.listdir(root)) == ["newest", "s1"]
+    assert tags_on_disk(root) == ["newest", "s1"]
     from nxd_ckpt.storage import open_storage
 
     for tag in ("s1",):

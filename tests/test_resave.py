@@ -6,6 +6,7 @@ import os
 
 import pytest
 
+from backends import tags_on_disk
 from tiny_models import TinyShard, assert_bit_equal, to_cpu_state
 
 
@@ -53,7 +54,7 @@ def test_resaving_a_tag_replaces_it_and_leaves_no_debris(tmp_path, monkeypatch, 
     _save(root, "x", 1)
     v2 = _save(root, "x", 2)
     assert calls == [("x.nxdtmp", "x")]
-    assert sorted(os.listdir(root)) == ["newest", "x"]
+    assert tags_on_disk(root) == ["newest", "x"]
     assert_bit_equal(_loaded(root, "x"), v2)
 
 
@@ -75,7 +76,7 @@ def test_a_crash_between_the_renames_loses_nothing(tmp_path, capsys):
     assert [line.split()[:2] for line in listing.splitlines()[1:3]] == [["x", "complete"], ["a", "complete"]]
     assert "x: left as x.nxdtmp by a crash while it was published" in listing
     _save(root, "b", 4)                            # the next save puts x back, then removes the debris
-    assert sorted(os.listdir(root)) == ["a", "b", "newest", "x"]
+    assert tags_on_disk(root) == ["a", "b", "newest", "x"]
     assert_bit_equal(_loaded(root, "x"), v2)
 
 
@@ -84,7 +85,7 @@ def test_a_resave_of_the_same_tag_after_the_crash_restores_before_it_stages(tmp_
 
     root, _, _ = _crashed_between_renames(tmp_path)
     v3 = _save(root, "x", 5)
-    assert sorted(os.listdir(root)) == ["a", "newest", "x"]
+    assert tags_on_disk(root) == ["a", "newest", "x"]
     assert nxd_ckpt.list_checkpoints(root) == ["x", "a"]
     assert_bit_equal(_loaded(root, "x"), v3)
 
@@ -98,7 +99,7 @@ def test_the_moved_aside_version_alone_is_restored(tmp_path):
     assert nxd_ckpt.list_checkpoints(root) == ["x", "a"]
     assert_bit_equal(_loaded(root, "x"), v1)
     _save(root, "b", 4)
-    assert sorted(os.listdir(root)) == ["a", "b", "newest", "x"]
+    assert tags_on_disk(root) == ["a", "b", "newest", "x"]
     assert_bit_equal(_loaded(root, "x"), v1)
 
 
@@ -115,7 +116,7 @@ def test_debris_of_a_delete_is_never_taken_for_a_checkpoint(tmp_path):
     with pytest.raises(nxd_ckpt.CheckpointNotFoundError, match="no checkpoint 'x'"):
         _loaded(root, "x")
     _save(root, "b", 3)
-    assert sorted(os.listdir(root)) == ["a", "b", "newest"]
+    assert tags_on_disk(root) == ["a", "b", "newest"]
 
 
 def test_a_replaced_version_half_removed_is_never_restored(tmp_path, monkeypatch):
@@ -146,4 +147,4 @@ def test_a_replaced_version_half_removed_is_never_restored(tmp_path, monkeypatch
     commit.delete_tag(LocalStorage(root), "x")            # e.g. retention, or by hand
     assert nxd_ckpt.list_checkpoints(root) == ["a"]
     _save(root, "b", 4)
-    assert sorted(os.listdir(root)) == ["a", "b", "newest"]
+    assert tags_on_disk(root) == ["a", "b", "newest"]

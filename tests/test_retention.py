@@ -7,6 +7,7 @@ import threading
 import pytest
 import torch
 
+from backends import retired, tags_on_disk
 from tiny_models import TinyShard, all_files, assert_bit_equal, to_cpu_state
 
 
@@ -61,7 +62,8 @@ def test_only_checkpoints_are_deleted(tmp_path):
     for tag in ("s1", "s2"):
         nxd_ckpt.save_checkpoint(root, tag, model=model, num_kept_ckpts=1, use_xser=True)
     assert nxd_ckpt.list_checkpoints(root) == ["s2"]
-    assert sorted(os.listdir(root)) == ["has_done", "newest", "random_dir", "random_file.txt", "s2", "user_folder"]
+    assert tags_on_disk(root) == ["has_done", "newest", "random_dir", "random_file.txt", "s2", "user_folder"]
+    assert retired(root) == ["s1.nxdold"]        # kept for the next save to take its files over (reuse.py)
     for d, files in users.items():
         assert _snapshot_tree(os.path.join(root, d)) == files, d
     # a newer user folder with a `done` file is not a candidate for loading either
@@ -126,7 +128,7 @@ def test_a_checkpoint_being_loaded_is_not_deleted(tmp_path, monkeypatch):
     assert not errors, errors
     assert_bit_equal(expect, target)
     nxd_ckpt.save_checkpoint(root, "n3", model=model, num_kept_ckpts=1, use_xser=True)   # no longer protected
-    assert sorted(os.listdir(root)) == ["n3", "newest"]
+    assert tags_on_disk(root) == ["n3", "newest"] and retired(root) == ["n2.nxdold"]
 
 
 def test_an_interrupted_delete_never_looks_complete(tmp_path):
@@ -143,7 +145,7 @@ def test_an_interrupted_delete_never_looks_complete(tmp_path):
         nxd_ckpt.load_checkpoint(root, tag="t1", model=_model(1))
     assert "'t2'" in str(info.value) and "tag=None" in str(info.value)
     nxd_ckpt.save_checkpoint(root, "t3", model=model, use_xser=True)     # keep all: only the debris goes
-    assert sorted(os.listdir(root)) == ["newest", "t2", "t3"]
+    assert tags_on_disk(root) == ["newest", "t2", "t3"] and retired(root) == ["t1.nxdold"]
 
 
 def test_a_crash_inside_the_delete_leaves_recognisable_debris(tmp_path, monkeypatch):
@@ -173,10 +175,12 @@ def test_a_crash_inside_the_delete_leaves_recognisable_debris(tmp_path, monkeypa
     assert nxd_ckpt.list_checkpoints(root) == ["t2"]
     monkeypatch.setattr(LocalStorage, "remove_tree", original)
     nxd_ckpt.save_checkpoint(root, "t3", model=model, num_kept_ckpts=1, use_xser=True)
-    assert sorted(os.listdir(root)) == ["newest", "t3"]
+    assert tags_on_disk(root) == ["newest", "t3"]
 
 
 def test_at_most_num_kept_plus_one_tags_on_disk(tmp_path, monkeypatch):
+    """Counted in bytes: the kept tags, the one being written and what the reuse folder holds (the tag retired
+    last, whose files the save being written takes over) never add up to more than num_kept + 1 tags."""
     import nxd_ckpt
     import nxd_ckpt.commit as commit
     from nxd_ckpt.storage import set_write_hook
@@ -185,8 +189,8 @@ def test_at_most_num_kept_plus_one_tags_on_disk(tmp_path, monkeypatch):
     peak = [0]
 
     def sample(*_):
-        if os.path.isdir(root):
-            peak[0] = max(peak[0], sum(os.path.isdir(os.path.join(root, n)) for n in os.listdir(root)))
+        sizes = [os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(root) for f in fs]
+        peak[0] = max(peak[0], sum(sizes))
 
     original_delete = commit.delete_tag
 
@@ -196,18 +200,21 @@ def test_at_most_num_kept_plus_one_tags_on_disk(tmp_path, monkeypatch):
         sample()
 
     monkeypatch.setattr(commit, "delete_tag", sampling_delete)
+    model = _model()
+    nxd_ckpt.save_checkpoint(root, "s0", model=model, num_kept_ckpts=2, use_xser=True)
+    one_tag = sum(os.path.getsize(os.path.join(root, "s0", rel)) for rel in all_files(os.path.join(root, "s0")))
     set_write_hook(sample)
     try:
-        model = _model()
-        for i in range(6):
+        for i in range(1, 7):
             with torch.no_grad():
                 model.bias.add_(1.0)
             nxd_ckpt.save_checkpoint(root, f"s{i}", model=model, async_save=True, num_kept_ckpts=2, use_xser=True)
         nxd_ckpt.finalize_checkpoint()
     finally:
         set_write_hook(None)
-    assert peak[0] == 3, peak     # num_kept + 1: the kept ones and the one being written
-    assert sorted(os.listdir(root)) == ["newest", "s4", "s5"]
+    # plus a few bytes: the `newest` pointer, the retired tag's `checkpoint` marker (written, never taken over)
+    assert 2 * one_tag < peak[0] <= 3 * one_tag + 64, (peak, one_tag)
+    assert tags_on_disk(root) == ["newest", "s5", "s6"] and retired(root) == ["s4.nxdold"]
     fresh = _model(offset=2)
     nxd_ckpt.load_checkpoint(root, model=fresh)
     assert_bit_equal(to_cpu_state(model.state_dict()), to_cpu_state(fresh.state_dict()))

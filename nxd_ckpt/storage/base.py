@@ -92,13 +92,16 @@ class Capabilities:
     atomically (renameat2). ``needs_sync``: written bytes are durable only after ``sync_files`` /
     ``sync_dirs`` (POSIX page cache); object stores are durable once a write is acknowledged.
     ``local``: ``local_path`` gives a filesystem path (memory-mapped reads). ``create_exclusive``:
-    ``write_file(..., exclusive=True)`` fails when the key exists (S3 ``If-None-Match: *``)."""
+    ``write_file(..., exclusive=True)`` fails when the key exists (S3 ``If-None-Match: *``). ``reuse_files``:
+    ``write_file(..., reuse=key)`` may take over the file at ``key`` instead of creating a new one (renamed into
+    place and overwritten: reuse.py)."""
 
     rename: bool
     exchange: bool = False
     needs_sync: bool = False
     local: bool = False
     create_exclusive: bool = False
+    reuse_files: bool = False
 
 
 class AlreadyExistsError(FileExistsError):
@@ -187,16 +190,20 @@ class Storage(ABC):
 
     # --- derived, one place for all backends ------------------------------------------------------------
     def write_file(self, relpath: str, produce: Callable, *, durable: bool = True, atomic: bool = True,
-                   exclusive: bool = False, size_hint: int = 0) -> FileRecord:
+                   exclusive: bool = False, size_hint: int = 0, reuse: Optional[str] = None) -> FileRecord:
         """Call ``produce(fileobj)`` to write ``relpath``; the bytes are CRC32C-checksummed and counted as
         they pass. ``durable=False``: the caller makes the file durable later with ``sync_files``.
         ``atomic=False``: a crash may leave a partial file under its key (only for files inside an
         uncommitted staging directory). ``size_hint``: the bytes ``produce`` is expected to write, when known
-        (a local disk writes large files past the page cache). Blocks until the backend acknowledged the
-        write."""
+        (a local disk writes large files past the page cache). ``reuse``: the key of a file nobody needs any more
+        (a retired checkpoint's), which a backend with ``caps.reuse_files`` takes over when it is there instead
+        of creating a file. Blocks until the backend acknowledged the write."""
         if _write_hook is not None:
             _write_hook(relpath)
-        sink = self._sink(relpath, atomic, exclusive, size_hint)
+        if reuse is not None and self.caps.reuse_files:
+            sink = self._sink(relpath, atomic, exclusive, size_hint, reuse=reuse)
+        else:
+            sink = self._sink(relpath, atomic, exclusive, size_hint)
         try:
             writer = _CountingWriter(sink, relpath)
             produce(writer)
