@@ -871,15 +871,18 @@ class Bench:
         import nxd_ckpt
 
         root = self.fresh("nxd_rss")
-        series = []
+        series, steady = [], []
         nxd_ckpt.save_checkpoint(root, "rss_warmup", async_save=True, num_kept_ckpts=2, **self.save_kwargs())
         nxd_ckpt.finalize_checkpoint()
         trim_heap()
         live_before = self.rss.rss()
         self.rss.start()
         for i in range(saves):
+            c = cpu_time()
             nxd_ckpt.save_checkpoint(root, f"rss_{i}", async_save=True, num_kept_ckpts=2, **self.save_kwargs())
             nxd_ckpt.finalize_checkpoint()
+            if i >= 2:      # retention retired a tag before this save: it takes that tag's files over (reuse.py)
+                steady.append((self.per_gb(cpu_time() - c), nxd_ckpt.save_stats()[-1]["commit_s"]))
             gc.collect()
             series.append(self.rss.rss() / MB)
         peak = self.rss.stop()
@@ -892,7 +895,11 @@ class Bench:
                 "slope_second_half_mb_per_save": _slope(series[n // 2:]),
                 "live_before_mb": live_before / MB, "live_after_mb": live_after / MB,
                 "live_growth_mb": (live_after - live_before) / MB,
-                "peak_above_live_before_mb": (peak - live_before) / MB, "series_mb": series}
+                "peak_above_live_before_mb": (peak - live_before) / MB, "series_mb": series,
+                # a training job's steady state: saves with num_kept_ckpts=2 after the first retention
+                "steady_saves": len(steady),
+                "steady_cpu_s_per_gb": med([x[0] for x in steady]) if steady else float("nan"),
+                "steady_commit_s": med([x[1] for x in steady]) if steady else float("nan")}
 
 
 def _slope(values):
@@ -1042,7 +1049,8 @@ def run(args) -> dict:
         growth = b.rss_growth(args.rss_saves)
         print(f"  RSS over {growth['saves']} async saves: first {growth['rss_first_mb']:.0f} MB, "
               f"last {growth['rss_last_mb']:.0f} MB; live (after malloc_trim) {growth['live_before_mb']:.0f} -> "
-              f"{growth['live_after_mb']:.0f} MB", flush=True)
+              f"{growth['live_after_mb']:.0f} MB; steady state ({growth['steady_saves']} saves): "
+              f"{growth['steady_cpu_s_per_gb']:.2f} CPU-s/GB, commit {growth['steady_commit_s']:.3f} s", flush=True)
         if "nxd_ckpt_async" in methods_out:
             methods_out["nxd_ckpt_async"]["host_rss_peak_over_saves_mb"] = growth["peak_above_live_before_mb"]
 
@@ -1198,6 +1206,15 @@ def targets(r: dict) -> dict:
             f"live RSS (after malloc_trim) after {g['saves']} consecutive async saves - before them <= {bound:.0f} MB")
         add("extra_raw_rss_no_growth", g["growth_mb"], bound, g["growth_mb"] <= bound,
             f"(extra) raw RSS after save {g['saves']} - after save 1 <= {bound:.0f} MB")
+        if g.get("steady_saves"):
+            v = g["steady_cpu_s_per_gb"]
+            add("extra_steady_cpu_s_per_gb", v, CPU_S_PER_GB_MAX, v <= CPU_S_PER_GB_MAX,
+                f"(extra) steady state, {g['steady_saves']} saves with num_kept_ckpts=2 after the first retention: "
+                f"cpu_s_per_gb <= {CPU_S_PER_GB_MAX}")
+            thr, par = nbytes_ / g["steady_commit_s"] / GB, lim["disk_write_parallel_gbps"]
+            add("extra_steady_commit_throughput", thr, COMMIT_VS_PARALLEL_WRITE_MIN * par,
+                thr >= COMMIT_VS_PARALLEL_WRITE_MIN * par,
+                f"(extra) steady state: bytes / commit_s >= {COMMIT_VS_PARALLEL_WRITE_MIN} x write+fsync (GB/s)")
     return out
 
 

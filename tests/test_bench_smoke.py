@@ -64,6 +64,11 @@ def test_bench_tiny_run_writes_complete_json(tmp_path):
     g = r["rss_growth"]
     assert g["saves"] == 3 and g["rss_first_mb"] > 0 and g["rss_last_mb"] > 0
     assert g["live_before_mb"] > 0 and g["live_after_mb"] > 0
+    # the third of the saves in a row is the first to take a retired tag's files over (num_kept_ckpts=2)
+    assert g["steady_saves"] == 1
+    _sane(g["steady_cpu_s_per_gb"], "steady_cpu_s_per_gb", allow_zero=True)
+    _sane(g["steady_commit_s"], "steady_commit_s")
+    assert {"extra_steady_cpu_s_per_gb", "extra_steady_commit_throughput"} <= set(r["targets"])
     assert TARGETS <= set(r["targets"]), sorted(r["targets"])
     for name, t in r["targets"].items():
         assert isinstance(t["met"], bool), name
@@ -344,3 +349,26 @@ def test_ab_saves_tiny_run_counts_back_to_back_saves(tmp_path):
     assert len(os.listdir(tmp_path / "d")) == 1 and len(os.listdir(next((tmp_path / "d").iterdir()))) == 3
     bad = subprocess.run(cmd[:-2] + ["--saves", "1"], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "--saves must be at least 2" in bad.stderr
+
+
+@pytest.mark.timeout(300)
+def test_ab_reuse_tiny_run_interleaves_both_variants(tmp_path):
+    """scripts/ab_reuse.py: both variants save into their own folder of one process; the reusing folder ends with
+    a retired tag kept for reuse, the deleting one without; a JSON line each with medians of the steady saves."""
+    cmd = [sys.executable, os.path.join(ROOT, "scripts", "ab_reuse.py"), "--size-gb", "0.002", "--tensors", "8",
+           "--saves", "4", "--dir", str(tmp_path / "d")]
+    proc = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, PJRT_DEVICE="CPU"), capture_output=True, text=True,
+                          timeout=280)
+    assert proc.returncode == 0, f"ab_reuse.py failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    lines = [json.loads(x) for x in proc.stdout.strip().splitlines()[-2:]]
+    assert [r["reuse_retired_files"] for r in lines] == [True, False]
+    for r in lines:
+        assert r["saves"] == 1 and len(r["cpu_s_per_gb_each"]) == 4
+        _sane(r["cpu_s_per_gb"], "cpu_s_per_gb", allow_zero=True)     # 2 MB: may be under one clock tick
+        for k in ("finalized_s", "commit_s"):
+            _sane(r[k], k)
+    run = next((tmp_path / "d").iterdir())
+    assert sorted(os.listdir(run / "reuse")) == [".nxd_ckpt_reuse", "newest", "t2", "t3"]
+    assert sorted(os.listdir(run / "delete")) == ["newest", "t2", "t3"]
+    bad = subprocess.run(cmd[:-4] + ["--saves", "3"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--saves must be more than 3" in bad.stderr

@@ -32,7 +32,8 @@ NXD_SIGNATURES = {
 }
 # Ours after NxD's, keyword-only.
 EXTRAS = {
-    "save_checkpoint": {"host_memory_budget", "device_snapshot", "keep_host_buffers", "timeout_s"},
+    "save_checkpoint": {"host_memory_budget", "device_snapshot", "keep_host_buffers", "reuse_retired_files",
+                        "timeout_s"},
     "load_checkpoint": {"ignore_keys", "trusted", "node_local", "reshard", "timeout_s"},
     "finalize_checkpoint": {"timeout_s"},
     "has_checkpoint": set(),
