@@ -140,6 +140,8 @@ class Engine:
                 sizes.append(sum(tensor_nbytes(t) for t in tensors[start:start + n]) if n != 1
                              else tensor_nbytes(tensors[start]))
                 starts.append(start + n)
+            if starts[-1] != len(tensors):     # the two walks of the plan disagree: never pair a tensor with another's file
+                raise RuntimeError(f"nxd_ckpt internal error: {starts[-1]} staged tensors planned, {len(tensors)} given")
             job.stats.staged_bytes = sum(sizes)
             for chunk in chunk_by_bytes(sizes, self.budget.capacity):
                 need = sum(sizes[i] for i in chunk)
