@@ -77,24 +77,6 @@ def pickle_bytes(obj) -> bytes:
     return buf.getvalue()
 
 
-def ref_paths(ref_data) -> Dict[int, str]:
-    """tid -> '/'-joined key path of each TensorReference in ``ref_data`` (first occurrence)."""
-    out: Dict[int, str] = {}
-
-    def walk(obj, path):
-        if isinstance(obj, xser.TensorReference):
-            out.setdefault(obj.tid, "/".join(path))
-        elif isinstance(obj, dict):
-            for k, v in obj.items():
-                walk(v, path + [str(k)])
-        elif isinstance(obj, (list, tuple)):
-            for i, v in enumerate(obj):
-                walk(v, path + [str(i)])
-
-    walk(ref_data, [])
-    return out
-
-
 _DTYPE_NAMES: Dict[torch.dtype, str] = {}
 _SHAPES: Dict[tuple, tuple] = {}
 _SHAPES_MAX = 65536

@@ -401,11 +401,12 @@ def apply_retention(storage: Storage, num_kept: Optional[int], protected: Iterab
             doomed.append(name)
         elif name.endswith(layout.TMP_SUFFIX):
             storage.remove_file(name)   # e.g. `newest.nxdtmp` of a crash while replacing `newest`
+    doomed += [t.tag for t in tags if not t.complete and t.tag not in busy and t.tag not in protected]
     if num_kept is not None and num_kept != -1:
         keep = set(complete[: max(1, num_kept)])
-        # oldest first: a crash part-way leaves the newer ones, and the last one retired (reuse.py) is the newest
+        # complete tags last and oldest first: a crash part-way leaves the newer ones, and the last one removed,
+        # the one kept for the next save to reuse (reuse.py), is the newest complete one
         doomed += [t for t in reversed(complete) if t not in keep and t not in protected]
-    doomed += [t.tag for t in tags if not t.complete and t.tag not in busy and t.tag not in protected]
     doomed = [t for t in doomed if _is_special(t) or _is_tag_dir(seen, t)]
     for name in doomed:
         log.info("nxd_ckpt: retention removes %s", name)

@@ -490,10 +490,9 @@ def _fill_from_masters(state: dict, shard, parts: Dict[int, Dict[int, torch.Tens
     """Put the full master weight of each absent model tensor into ``shard`` (cast to the model's saved dtype).
     An absent tensor without a master weight (a buffer in a neuronx-distributed checkpoint, which saves none of
     the model's tensors in this mode) stays absent: the target keeps its value, as with neuronx-distributed."""
-    from .capture import ref_paths
 
     mr: MasterRead = state["masters"]
-    paths = ref_paths(shard.ref_data)
+    paths = xser.key_paths(shard.ref_data)
     index = _master_index(state, shard, paths, shape_info)
     for tid in shard.absent:
         i = index.get(tid)

@@ -9,16 +9,18 @@ them are most of the CPU of writing a small file on a local disk: on this projec
 CPU per file created, against 0.1 ms to take one over (README "Levers measured").
 
 What this costs: between saves the folder holds the retired tag's files (the disk holds ``num_kept_ckpts`` + 1
-tags' worth until the next save takes them, the same peak as deleting: a save in progress holds as much).
-Deleting the folder is always safe. A file is never taken over when it is a hard link (its bytes are also
-another name's) or not a regular file. A reader that kept a retired tag's file open reads the next save's bytes
-once it is overwritten, where a deleted file would have kept its old bytes: nxd-ckpt never retires a tag this
-process is loading, and its loader checks every file's CRC32C. ``save_checkpoint(reuse_retired_files=False)``
+tags' worth until the next save takes them; during a save of the same file names the same peak as deleting, one
+tag more for the first save after a change of layout). Deleting the folder is always safe. A file is never taken
+over when it is a hard link (its bytes are also another name's) or not a regular file, and a tag that is or holds
+a symlink is deleted, never kept. A reader that kept a retired tag's file open or mapped sees the next save's
+bytes once it is overwritten, where a deleted file would have kept its old bytes: nxd-ckpt never retires a tag
+this process is loading, and its loader checks every file's CRC32C. ``save_checkpoint(reuse_retired_files=False)``
 deletes instead (and empties the folder).
 """
 from __future__ import annotations
 
 import logging
+import os
 from typing import Optional
 
 from . import layout
@@ -33,7 +35,7 @@ def retire(storage: Storage, name: str) -> bool:
     """Rank 0 (retention): move the tag directory ``name`` (already not a complete tag) into the reuse folder in
     place of what was there. False when it was not moved (the storage cannot reuse files, or the rename failed):
     the caller deletes it."""
-    if not storage.caps.reuse_files:
+    if not storage.caps.reuse_files or _has_links(storage, name):
         return False
     empty(storage)
     try:
@@ -43,6 +45,21 @@ def retire(storage: Storage, name: str) -> bool:
         log.info("nxd_ckpt: could not keep the files of %s for reuse (%s); deleting them", name, exc)
         return False
     return True
+
+
+def _has_links(storage: Storage, name: str) -> bool:
+    """Whether the tree ``name`` is, or holds, a symbolic link: a rename out of it through a linked folder would
+    move (and the save overwrite) the files of whatever the link points at, another checkpoint's say. Such a tag is
+    deleted, never kept (the delete removes the links, not what they point at). Cheap: the folder entries' types."""
+    top = storage.local_path(name)
+    if top is None or os.path.islink(top):
+        return True
+    for _dirpath, dirs, files in os.walk(top):
+        if any(os.path.islink(os.path.join(_dirpath, d)) for d in dirs):
+            return True
+        if any(os.path.islink(os.path.join(_dirpath, f)) for f in files):
+            return True
+    return False
 
 
 def empty(storage: Storage) -> None:

@@ -72,8 +72,8 @@ def test_files_taken_over_are_cut_to_their_new_length(tmp_path):
 
 
 def test_links_and_folders_in_the_reuse_folder_are_never_written_through(tmp_path):
-    """A hard link shares its bytes with another name, a symlink points elsewhere, a folder is no file: none is
-    overwritten; the save creates its own files and the outside ones keep their bytes."""
+    """A hard link shares its bytes with another name, a symlink points elsewhere, a folder or a FIFO is no file:
+    none is written through; the save creates its own files and the outside ones keep their bytes."""
     import nxd_ckpt
 
     root = str(tmp_path / "ckpt")
@@ -89,12 +89,37 @@ def test_links_and_folders_in_the_reuse_folder_are_never_written_through(tmp_pat
     os.symlink(outside, os.path.join(tensors, "tensor_1.pt"))
     os.unlink(os.path.join(tensors, "tensor_2.pt"))
     os.makedirs(os.path.join(tensors, "tensor_2.pt", "inside"))
+    os.unlink(os.path.join(tensors, "tensor_3.pt"))
+    os.mkfifo(os.path.join(tensors, "tensor_3.pt"))          # opened for writing, it would block forever
     nxd_ckpt.save_checkpoint(root, "s2", model=model, num_kept_ckpts=1, use_xser=True)
     assert outside.read_bytes() == b"keep me" and os.stat(outside).st_nlink == 1
     _verified(root, "s2")
     fresh = TinyShard(seed_offset=3)
     nxd_ckpt.load_checkpoint(root, model=fresh)
     assert_bit_equal(to_cpu_state(model.state_dict()), to_cpu_state(fresh.state_dict()))
+
+
+def test_a_tag_holding_a_symlink_is_deleted_not_kept(tmp_path):
+    """Renaming files out of a tag whose folder is a link would move the linked-to tag's files into the next save
+    (and overwrite them): such a tag is deleted (the link, not what it points at), never kept for reuse."""
+    import shutil
+
+    import nxd_ckpt
+
+    root = str(tmp_path / "ckpt")
+    model = TinyShard()
+    for tag in ("s0", "s1"):
+        nxd_ckpt.save_checkpoint(root, tag, model=model, use_xser=True)
+    shutil.rmtree(os.path.join(root, "s0", "model"))
+    os.symlink(os.path.join(root, "s1", "model"), os.path.join(root, "s0", "model"))
+    held = _inodes(os.path.join(root, "s1"))
+    nxd_ckpt.save_checkpoint(root, "s2", model=model, num_kept_ckpts=2, use_xser=True)
+    assert tags_on_disk(root) == ["newest", "s1", "s2"] and retired(root) == []
+    nxd_ckpt.save_checkpoint(root, "s3", model=model, num_kept_ckpts=2, use_xser=True)
+    # s1 untouched until retired itself (its `done` and manifest go first, as in any delete)
+    assert _inodes(os.path.join(root, REUSE, "s1.nxdold")) == {k: v for k, v in held.items()
+                                                               if k not in ("done", "manifest.json")}
+    _verified(root, "s3")
 
 
 def test_reuse_retired_files_false_deletes_and_empties_the_folder(tmp_path):

@@ -202,13 +202,23 @@ def test_traced_refs_gives_the_generic_walks_tids_and_pickle(data):
 
 
 @SETTINGS
-@given(nested(POOL, custom=False))
+@given(nested(POOL))
 def test_traced_paths_are_the_key_paths_of_the_ref_data(data):
-    from nxd_ckpt.capture import ref_paths
-
     traced = xser.traced_refs(data)
-    assert traced.paths == ref_paths(traced.ref_data)
-    assert traced.self_contained
+    assert traced.paths == xser.key_paths(traced.ref_data)
+
+
+@SETTINGS
+@given(nested(POOL, custom=False))
+def test_plain_data_is_self_contained(data):
+    assert xser.traced_refs(data).self_contained
+
+
+def test_a_container_met_inside_an_object_first_keeps_its_plain_path():
+    t = torch.zeros(1)
+    shared = {"w": t}
+    traced = xser.traced_refs([Box(shared, 1), {"plain": shared}])
+    assert traced.paths == {0: "1/plain/w"} == xser.key_paths(traced.ref_data)
 
 
 def test_traced_paths_of_a_state_dict():
@@ -221,7 +231,10 @@ def test_traced_paths_of_a_state_dict():
     assert traced.self_contained
 
 
-@pytest.mark.parametrize("leaf", [bytearray(b"ab"), Box(1, 2), memoryview(b"ab")], ids=["bytearray", "object", "view"])
+@pytest.mark.parametrize("leaf", [bytearray(b"ab"), Box(1, 2), memoryview(b"ab"), {}.get, slice([1], None),
+                                  collections.defaultdict(list), lambda: 1],
+                         ids=["bytearray", "object", "view", "bound method", "slice of a list", "dict subclass",
+                              "lambda"])
 def test_traced_refs_is_not_self_contained_with_a_mutable_leaf(leaf):
     traced = xser.traced_refs({"w": torch.zeros(1), "x": [leaf]})
     assert not traced.self_contained

@@ -14,10 +14,10 @@ from .pickling import REF_PICKLE, RangeFile, ViewReader, dump_refs, load_pickle,
 from .tensorfile import load_tensor_in_place
 from .zipranges import RecordSums
 from .refs import (TORCH_XLA_MODULE, TORCH_XLA_NAME, TensorReference, TracedRefs, collect_tids, from_refs, is_ref,
-                   to_refs, traced_refs)
+                   key_paths, to_refs, traced_refs)
 
 __all__ = [
-    "TensorReference", "to_refs", "traced_refs", "TracedRefs", "from_refs", "collect_tids", "is_ref",
+    "TensorReference", "to_refs", "traced_refs", "TracedRefs", "key_paths", "from_refs", "collect_tids", "is_ref",
     "tensors_dir", "tensor_file", "info_file",
     "write_tensor", "tensor_frame", "tensor_to_bytes", "read_tensor", "read_info", "compact_cpu", "is_compact", "to_cpu",
     "dump_refs", "load_refs", "load_pickle", "load_pickle_in_place", "load_tensor_in_place", "ViewReader", "RangeFile", "save", "load", "is_master",

@@ -7,6 +7,7 @@ kept (tuples stay tuples, OrderedDict stays OrderedDict, namedtuples stay namedt
 """
 from __future__ import annotations
 
+import collections
 import copy
 import types
 from dataclasses import dataclass
@@ -47,7 +48,7 @@ def is_ref(obj: Any) -> bool:
 _ATOMIC = (type(None), bool, int, float, complex, str, bytes, bytearray, range, slice, type(Ellipsis),
            torch.dtype, torch.device, torch.layout, torch.memory_format, torch.Size)
 # The exact types among them whose values cannot change after the call.
-_IMMUTABLE = frozenset(t for t in _ATOMIC if t is not bytearray)
+_IMMUTABLE = frozenset(t for t in _ATOMIC if t not in (bytearray, slice))   # a slice may hold a list
 # Objects that have a __dict__ but are code or namespaces, not data: never copied.
 _OPAQUE = (type, types.FunctionType, types.MethodType, types.BuiltinFunctionType, types.ModuleType,
            types.CodeType, types.MethodWrapperType, types.WrapperDescriptorType)
@@ -194,10 +195,11 @@ def to_refs(data: Any) -> Tuple[Any, List[torch.Tensor]]:
 class TracedRefs:
     """``to_refs`` plus what a checkpoint writer needs from the same walk.
 
-    ``paths``: tid -> '/'-joined dict keys and list/tuple indices of the tensor's first occurrence reached
-    through dicts, lists and tuples alone (a tensor met only inside a custom object or a set has none).
-    ``self_contained``: ``ref_data`` is made of fresh containers, references and immutable values alone, so
-    it can be pickled later, on another thread, with the same bytes whatever the caller mutates meanwhile."""
+    ``paths``: tid -> '/'-joined dict keys and list/tuple indices of the tensor's first occurrence in the ref data
+    reached through dicts, lists and tuples alone (``key_paths``; a tensor met only inside a custom object or a
+    set has none). ``self_contained``: ``ref_data`` is made of fresh plain containers, references and immutable
+    values alone, so it can be pickled later, on another thread, with the same bytes whatever the caller mutates
+    meanwhile (and pickling it cannot fail)."""
 
     ref_data: Any
     tensors: List[torch.Tensor]
@@ -209,20 +211,47 @@ def traced_refs(data: Any) -> TracedRefs:
     """``to_refs`` (same tids, same copy) that also records key paths and whether the copy is self-contained."""
     walk = _TracingRewriter()
     ref_data = walk(data)
-    return TracedRefs(ref_data, walk.tensors, walk.paths, walk.self_contained)
+    paths = walk.paths if walk.exact_paths else key_paths(ref_data)
+    return TracedRefs(ref_data, walk.tensors, paths, walk.self_contained)
+
+
+def key_paths(ref_data: Any) -> Dict[int, str]:
+    """tid -> '/'-joined key path of each reference in ``ref_data`` (first occurrence through dicts, lists and
+    tuples; dict keys as ``str``)."""
+    out: Dict[int, str] = {}
+
+    def walk(obj, path):
+        if is_ref(obj):
+            out.setdefault(obj.tid, "/".join(path))
+        elif isinstance(obj, dict):
+            for k, v in obj.items():
+                walk(v, path + [str(k)])
+        elif isinstance(obj, (list, tuple)):
+            for i, v in enumerate(obj):
+                walk(v, path + [str(i)])
+
+    walk(ref_data, [])
+    return out
+
+
+_PLAIN_CONTAINERS = frozenset((dict, list, collections.OrderedDict, set, frozenset))
 
 
 class _TracingRewriter(_Rewriter):
-    """to_refs' walk. The key path is kept on a stack; inside a custom object, a set or a container's
-    attributes it is not (``_hidden``), as a reader of the ref data's dicts and lists would not see it."""
+    """to_refs' walk. The key path is kept on a stack; inside a custom object, a set, a dict key or a container's
+    attributes it is not (``_hidden``), as ``key_paths`` over the ref data would not see it. A container first met
+    there and again in plain sight is not walked twice (memo): then the paths are not known exactly
+    (``exact_paths``) and ``key_paths`` walks the ref data instead (rare: state dicts never do)."""
 
     def __init__(self):
         super().__init__(_is_tensor, None)
         self.tensors: List[torch.Tensor] = []
         self.paths: Dict[int, str] = {}
         self.self_contained = True
+        self.exact_paths = True
         self._path: List[str] = []
         self._hidden = 0
+        self._hidden_first: set = set()
 
     def __call__(self, value: Any) -> Any:
         if isinstance(value, torch.Tensor):      # the leaf, first: most of a state dict
@@ -233,8 +262,19 @@ class _TracingRewriter(_Rewriter):
             if not self._hidden and ref.tid not in self.paths:
                 self.paths[ref.tid] = "/".join(self._path)
             return ref
-        if isinstance(value, _ATOMIC) and type(value) not in _IMMUTABLE:
-            self.self_contained = False      # a bytearray, or a subclass that may carry mutable attributes
+        if isinstance(value, _ATOMIC):
+            if type(value) not in _IMMUTABLE:
+                self.self_contained = False      # a bytearray, a slice, a subclass that may carry attributes
+            return value
+        key = id(value)
+        if key in self.memo:
+            if not self._hidden and key in self._hidden_first:
+                self.exact_paths = False
+            return self.memo[key]
+        if self._hidden:
+            self._hidden_first.add(key)
+        if type(value) not in _PLAIN_CONTAINERS and isinstance(value, (dict, list, set, frozenset)):
+            self.self_contained = False          # a subclass's own state (slots, a default factory) is shared
         return super().__call__(value)
 
     def _dict(self, value: dict) -> dict:
@@ -242,13 +282,11 @@ class _TracingRewriter(_Rewriter):
         self.memo[id(value)] = result
         path = self._path
         for k, v in value.items():
-            if type(k) is str:      # most keys: returned as they are
-                path.append(k)
-            else:
-                path.append(str(k))
+            if type(k) is not str:      # most keys are, and are kept as they are
                 self._hidden += 1
                 k = self(k)
                 self._hidden -= 1
+            path.append(k if type(k) is str else str(k))    # the ref data's key, as key_paths names it
             result[k] = self(v)
             path.pop()
         self._attrs(result)
@@ -293,7 +331,9 @@ class _TracingRewriter(_Rewriter):
                 self._hidden -= 1
 
     def _kept(self, value: Any) -> Any:
-        if not isinstance(value, _OPAQUE):   # e.g. a numpy array: pickled from the caller's live object
+        # A class pickles by name; anything else kept as it is (a NumPy array, a bound method and its object, a
+        # lambda, which cannot be pickled at all) is pickled now, from the caller's live object
+        if not isinstance(value, type):
             self.self_contained = False
         return value
 

@@ -293,8 +293,9 @@ class _DirectFileSink(_FileSink):
 def _take_over(src: str, dst: str, flags: int) -> int:
     """Rename the file ``src``, which nobody needs any more, to ``dst`` and open it to be overwritten; -1 when
     there is nothing to take (``src`` gone; ``dst``'s folder is made when missing) or it must not be overwritten: not a
-    regular file (never followed if a symlink), or a hard link (its bytes are also another name's, an offline
-    tool's link of a file it did not change, say). What was renamed in and refused is removed again."""
+    regular file (never followed if a symlink; a FIFO is not waited on), or a hard link (its bytes are also another
+    name's, an offline tool's link of a file it did not change, say). What was renamed in and refused is removed
+    again. The folders on the way are never links: ``reuse.retire`` keeps no tree that holds one."""
     try:
         os.rename(src, dst)
     except FileNotFoundError:
@@ -308,7 +309,8 @@ def _take_over(src: str, dst: str, flags: int) -> int:
     except OSError:
         return -1
     try:
-        fd = os.open(dst, (flags & ~(os.O_CREAT | os.O_TRUNC)) | os.O_NOFOLLOW)
+        # O_NONBLOCK: a FIFO left there would otherwise block the open forever (it then fails, ENXIO)
+        fd = os.open(dst, (flags & ~(os.O_CREAT | os.O_TRUNC)) | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError:
         _discard(dst)
         return -1
