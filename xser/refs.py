@@ -8,6 +8,7 @@ kept (tuples stay tuples, OrderedDict stays OrderedDict, namedtuples stay namedt
 from __future__ import annotations
 
 import collections
+import contextlib
 import copy
 import types
 from dataclasses import dataclass
@@ -307,28 +308,28 @@ class _TracingRewriter(_Rewriter):
             path.pop()
         return out
 
-    def _set(self, value):
+    @contextlib.contextmanager
+    def _out_of_sight(self):
+        """Where ``key_paths`` over the ref data would not look: a set, an object, a container's attributes."""
         self._hidden += 1
         try:
-            return super()._set(value)
+            yield
         finally:
             self._hidden -= 1
+
+    def _set(self, value):
+        with self._out_of_sight():
+            return super()._set(value)
 
     def _object(self, value: Any) -> Any:
         self.self_contained = False      # its class's pickling may read state the caller can change
-        self._hidden += 1
-        try:
+        with self._out_of_sight():
             return super()._object(value)
-        finally:
-            self._hidden -= 1
 
     def _attrs(self, obj: Any) -> None:
         if getattr(obj, "__dict__", None):
-            self._hidden += 1
-            try:
+            with self._out_of_sight():
                 super()._attrs(obj)
-            finally:
-                self._hidden -= 1
 
     def _kept(self, value: Any) -> Any:
         # A class pickles by name; anything else kept as it is (a NumPy array, a bound method and its object, a
