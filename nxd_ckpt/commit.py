@@ -45,14 +45,15 @@ class CommitStrategy(ABC):
     def workdir(self, tag: str) -> str:
         ...
 
-    def prepare(self, storage: Storage, tag: str, busy: Iterable[str] = ()) -> None:
+    def prepare(self, storage: Storage, tag: str, busy: Iterable[str] = (), reuse_files: bool = False) -> bool:
         """Rank 0 of a save, before any rank writes: repair what a crash left, then ``begin``."""
         self.repair(storage, busy)
-        self.begin(storage, tag)
+        return self.begin(storage, tag, reuse_files)
 
     @abstractmethod
-    def begin(self, storage: Storage, tag: str) -> None:
-        """Make ``workdir(tag)`` a fresh, incomplete tag holding only the `checkpoint` marker."""
+    def begin(self, storage: Storage, tag: str, reuse_files: bool = False) -> bool:
+        """Make ``workdir(tag)`` an incomplete tag holding the `checkpoint` marker: fresh, or (``reuse_files``,
+        where the strategy can) the files of a retired tag (reuse.take), to be overwritten; True in that case."""
 
     @abstractmethod
     def publish(self, storage: Storage, tag: str, manifest: Union[Manifest, ManifestDraft], *,
@@ -84,12 +85,15 @@ class RenameCommit(CommitStrategy):
     def workdir(self, tag: str) -> str:
         return staging_name(tag)
 
-    def begin(self, storage: Storage, tag: str) -> None:
+    def begin(self, storage: Storage, tag: str, reuse_files: bool = False) -> bool:
         staging = staging_name(tag)
         if storage.exists(staging):
             delete_tag(storage, staging)
-        storage.makedirs(staging)
+        taken = reuse_files and reuse.take(storage, staging)
+        if not taken:
+            storage.makedirs(staging)
         storage.write_bytes(f"{staging}/{layout.CHECKPOINT_MARKER}", b"1")
+        return taken
 
     def publish(self, storage: Storage, tag: str, manifest: Union[Manifest, ManifestDraft], *,
                 newest: bool = True) -> None:
@@ -130,10 +134,11 @@ class MarkerCommit(CommitStrategy):
     def workdir(self, tag: str) -> str:
         return tag
 
-    def begin(self, storage: Storage, tag: str) -> None:
+    def begin(self, storage: Storage, tag: str, reuse_files: bool = False) -> bool:
         if storage.isdir(tag):              # a prefix: a key named like the tag is no part of it (no HEAD)
             delete_tag(storage, tag)        # `done` first: the old version is never complete-looking again
         storage.write_bytes(f"{tag}/{layout.CHECKPOINT_MARKER}", b"1")
+        return False
 
     def publish(self, storage: Storage, tag: str, manifest: Union[Manifest, ManifestDraft], *,
                 newest: bool = True) -> None:
@@ -154,9 +159,10 @@ def strategy_for(storage: Storage) -> CommitStrategy:
     return RenameCommit() if storage.caps.rename else MarkerCommit()
 
 
-def prepare_staging(storage: Storage, tag: str, busy: Iterable[str] = ()) -> None:
-    """Rank 0, before any rank writes (see ``CommitStrategy.prepare``)."""
-    strategy_for(storage).prepare(storage, tag, busy)
+def prepare_staging(storage: Storage, tag: str, busy: Iterable[str] = (), reuse_files: bool = False) -> bool:
+    """Rank 0, before any rank writes (see ``CommitStrategy.prepare``): True when the working directory holds a
+    retired tag's files to overwrite."""
+    return strategy_for(storage).prepare(storage, tag, busy, reuse_files)
 
 
 def publish(storage: Storage, tag: str, manifest: Union[Manifest, ManifestDraft]) -> None:

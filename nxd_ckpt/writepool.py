@@ -28,8 +28,8 @@ _END = object()
 # A batch of small files is one pool task: per-file futures, locks and callbacks cost more than writing a
 # 100 KB file from memory. Files above SMALL_BYTES are never batched (batching 3 MB files cost CPU and
 # commit time in an A/B at 1 GB / 300).
-BATCH_FILES = 32
-BATCH_BYTES = 4 << 20
+BATCH_FILES = 128
+BATCH_BYTES = 16 << 20
 SMALL_BYTES = 1 << 20
 #: On a local filesystem (``Storage.small_files_one_writer``) the batches of small files (leases of SMALL_BYTES or
 #: less, and the unleased pickles) go to one writer thread of their own, and only larger files to the
@@ -48,6 +48,10 @@ class WriteTask:
     relpath: str
     produce: Callable
     lease: HostLease = field(default_factory=no_lease)
+
+    def parts(self) -> Optional[tuple]:
+        """The file's bytes when they are already in memory (``Storage.write_parts``); None: call ``produce``."""
+        return None
 
 
 def bytes_task(relpath: str, data: bytes) -> WriteTask:
@@ -69,6 +73,9 @@ class TensorTask(WriteTask):
 
     def produce(self, f) -> None:
         xser.write_tensor(self.tensor, f)
+
+    def parts(self) -> Optional[tuple]:
+        return xser.tensor_parts(self.tensor)
 
 
 def tensor_task(relpath: str, tensor: torch.Tensor, lease: Optional[HostLease] = None) -> TensorTask:
@@ -216,15 +223,16 @@ class WritePool:
         return self._small
 
     def write_all(self, tasks: TaskQueue, storage: Storage, workdir: str, workers: int,
-                  reuse_from: Optional[str] = None) -> WriteResult:
+                  overwrite: bool = False) -> WriteResult:
         """Write every task of ``tasks`` under ``workdir`` until the queue is closed, then make the files
         durable in one batch. Blocks the calling thread (the runner) until then; never raises: the first
         failure is described in the result, and the tasks after it are dropped (their memory released).
         Small files go to one thread of their own where ``storage`` says so (``SMALL_WRITER``).
-        ``reuse_from``: a retired tag (reuse.source) whose file at a task's path is taken over for it."""
+        ``overwrite``: ``workdir`` holds a retired tag's files (reuse.take), each overwritten in place where a
+        task writes one of them (``Storage.write_file(reuse=True)``)."""
         pool = self._executor(max(1, workers))
         small = self._small_writer() if SMALL_WRITER and storage.small_files_one_writer() else pool
-        write = functools.partial(_write_one, storage, workdir, reuse_from)
+        write = functools.partial(_write_one, storage, workdir, overwrite)
         futures: List[Future] = []
         failed: List[Future] = []      # appended by done-callbacks: no rescan of every future per task (O(n^2))
         error: Optional[str] = None
@@ -285,7 +293,11 @@ def _make_durable(storage: Storage, workdir: str, records: List[FileRecord]) -> 
     return None
 
 
-def _write_one(storage: Storage, workdir: str, reuse_from: Optional[str], task: WriteTask) -> FileRecord:
+def _write_one(storage: Storage, workdir: str, overwrite: bool, task: WriteTask) -> FileRecord:
+    parts = task.parts()
+    if parts is not None:
+        rec = storage.write_parts(f"{workdir}/{task.relpath}", parts, durable=False, atomic=False, reuse=overwrite)
+        return FileRecord(task.relpath, rec.size, rec.crc32c)
     seen: List[OSError] = []
 
     def produce(f):
@@ -299,8 +311,7 @@ def _write_one(storage: Storage, workdir: str, reuse_from: Optional[str], task: 
             raise
 
     rec = storage.write_file(f"{workdir}/{task.relpath}", produce, durable=False, atomic=False,
-                             size_hint=task.lease.nbytes,
-                             reuse=f"{reuse_from}/{task.relpath}" if reuse_from is not None else None)
+                             size_hint=task.lease.nbytes, reuse=overwrite)
     ranges = task.produce.ranges if isinstance(task.produce, PlainShardProducer) else None
     return FileRecord(task.relpath, rec.size, rec.crc32c, ranges)
 

@@ -34,15 +34,19 @@ def main(argv=None) -> int:
     p.add_argument("--size-gb", type=float, default=0.5)
     p.add_argument("--tensors", type=int, default=5000)
     p.add_argument("--state", choices=("fp32", "bf16-adam"), default="fp32")
-    p.add_argument("--saves", type=int, default=6, help="saves in a row; the first is not counted")
+    p.add_argument("--saves", type=int, default=6, help="saves in a row (the first --skip not counted)")
     p.add_argument("--dir", default="/tmp/nxd_ckpt_ab_saves")
     p.add_argument("--num-kept", type=int, default=None,
                    help="save into one folder with this num_kept_ckpts (default: a folder per save, no retention)")
     p.add_argument("--no-reuse", action="store_true", help="reuse_retired_files=False")
     p.add_argument("--device-snapshot", action="store_true", help="device_snapshot=True")
+    p.add_argument("--keep-cache", action="store_true",
+                   help="leave the folder's pages in the page cache between saves (default: dropped before each)")
+    p.add_argument("--skip", type=int, default=1, help="saves not counted at the start (with --num-kept 2: 3, the "
+                   "first whose retention had retired a tag before it)")
     args = p.parse_args(argv)
-    if args.saves < 2:
-        p.error("--saves must be at least 2 (the first is not counted)")
+    if args.saves <= args.skip:
+        p.error("--saves must be more than --skip (the saves not counted)")
     code = os.path.abspath(args.code)
     sys.path[:0] = [os.path.join(code, "scripts"), code]
     import bench
@@ -65,7 +69,8 @@ def main(argv=None) -> int:
     gc.callbacks.append(count)
     cache, root, runs = bench.Cache(), os.path.join(args.dir, uuid.uuid4().hex), []
     for i in range(args.saves):
-        cache.drop(root)
+        if not args.keep_cache:
+            cache.drop(root)
         g, c, t = full[0], bench.cpu_time(), time.perf_counter()
         if args.num_kept is None:
             nxd_ckpt.save_checkpoint(f"{root}/{i}", f"t{i}", async_save=True, use_xser=True, **kw)
@@ -76,8 +81,9 @@ def main(argv=None) -> int:
         runs.append({"cpu_s_per_gb": (bench.cpu_time() - c) / gb, "full_collections": full[0] - g,
                      "finalized_s": time.perf_counter() - t,
                      "commit_s": st["commit_s"], "stall_s": st["stall_s"]})
-    counted = runs[1:]
+    counted = runs[args.skip:]
     print(json.dumps({"code": code, "saves": len(counted), "num_kept": args.num_kept, "reuse": not args.no_reuse,
+                      "tensors": args.tensors, "state": args.state, "cache": "kept" if args.keep_cache else "dropped",
                       "device_snapshot": args.device_snapshot,
                       "cpu": round(statistics.median(r["cpu_s_per_gb"] for r in counted), 3),
                       "full_gcs": sum(r["full_collections"] for r in counted),

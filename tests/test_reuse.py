@@ -1,5 +1,5 @@
-"""Retired checkpoints' files taken over by the next save (nxd_ckpt.reuse): which files, with what bytes, and what
-is never overwritten."""
+"""Retired checkpoints' files taken over by the next save (nxd_ckpt.reuse): which files, with what bytes, what is
+never overwritten, and what the tag holds afterwards."""
 from __future__ import annotations
 
 import os
@@ -46,6 +46,29 @@ def test_the_next_save_takes_over_every_file_of_the_retired_tag(tmp_path):
     fresh = TinyShard(seed_offset=3)
     nxd_ckpt.load_checkpoint(root, model=fresh)
     assert_bit_equal(to_cpu_state(model.state_dict()), to_cpu_state(fresh.state_dict()))
+
+
+def test_the_tag_holds_exactly_its_own_files_after_a_take_over(tmp_path):
+    """The retired tag held an optimizer, user content and stray files and folders; the next save writes the model
+    only: what it did not write is gone before `done`, and the tag holds the file set of a save from scratch."""
+    import nxd_ckpt
+
+    root, fresh_root = str(tmp_path / "ckpt"), str(tmp_path / "fresh")
+    model = TinyShard()
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    train_steps(model, opt, 1, seed=0)
+    for tag in ("s0", "s1"):
+        nxd_ckpt.save_checkpoint(root, tag, model=model, optimizer=opt, user_content={"n": 1}, num_kept_ckpts=1,
+                                 use_xser=True)
+    held = os.path.join(root, REUSE, "s0.nxdold")
+    os.makedirs(os.path.join(held, "extra", "empty"))
+    (tmp_path / "ckpt" / REUSE / "s0.nxdold" / "model" / "stray.bin").write_bytes(b"x")
+    assert any(rel.startswith("optim/") for rel in all_files(held))
+    nxd_ckpt.save_checkpoint(root, "s2", model=model, num_kept_ckpts=1, use_xser=True)
+    nxd_ckpt.save_checkpoint(fresh_root, "s2", model=model, use_xser=True)
+    assert all_files(os.path.join(root, "s2")) == all_files(os.path.join(fresh_root, "s2"))
+    assert sorted(os.listdir(os.path.join(root, "s2"))) == sorted(os.listdir(os.path.join(fresh_root, "s2")))
+    _verified(root, "s2")
 
 
 def test_files_taken_over_are_cut_to_their_new_length(tmp_path):

@@ -38,6 +38,24 @@ def test_write_records_size_and_crc32c_of_the_bytes(storage):
     assert storage.stat("a/b/c.bin").size == 11
 
 
+def test_write_parts_records_and_writes_the_parts_in_order(storage):
+    data = memoryview(bytearray(range(256)) * 40)
+    rec = storage.write_parts("x/p.bin", (b"head", data, b"", b"tail"))
+    want = b"head" + bytes(data) + b"tail"
+    assert (rec.relpath, rec.size, rec.crc32c) == ("x/p.bin", len(want), crc32c.crc32c(want))
+    assert storage.read("x/p.bin") == want
+    assert storage.write_bytes("x/b.bin", b"abc").crc32c == crc32c.crc32c(b"abc")
+
+
+def test_posix_write_parts_finishes_a_short_writev(tmp_path, monkeypatch):
+    """writev may write less than asked (a signal, the last bytes of a full disk): the rest follows."""
+    real = os.writev
+    monkeypatch.setattr(os, "writev", lambda fd, views: real(fd, [bytes(b"".join(views))[:5]]))
+    storage = LocalStorage(str(tmp_path))
+    rec = storage.write_parts("s.bin", (b"abc", b"defgh", b"ijklmnop"), durable=False, atomic=False)
+    assert (tmp_path / "s.bin").read_bytes() == b"abcdefghijklmnop" and rec.size == 16
+
+
 def test_listing_directories_and_deletion(storage):
     names = [f"t/model/f{i}.pt" for i in range(7)] + ["t/done", "u/x", "top"]
     for n in names:

@@ -4,7 +4,7 @@ Compatible both ways with ``torch_xla.utils.serialization`` and usable without t
 Every pickle is read with ``weights_only=True`` unless the caller passes ``trusted=True``.
 """
 from .api import load, load_refs, save
-from .container import tensor_frame
+from .container import tensor_frame, tensor_parts
 from .errors import CorruptFileError, MissingFileError, UnsafeCheckpointError, XserError
 from .files import (compact_cpu, info_file, is_compact, read_info, read_tensor, tensor_file, tensor_to_bytes,
                     tensors_dir, write_tensor)
@@ -19,7 +19,7 @@ from .refs import (TORCH_XLA_MODULE, TORCH_XLA_NAME, TensorReference, TracedRefs
 __all__ = [
     "TensorReference", "to_refs", "traced_refs", "TracedRefs", "key_paths", "from_refs", "collect_tids", "is_ref",
     "tensors_dir", "tensor_file", "info_file",
-    "write_tensor", "tensor_frame", "tensor_to_bytes", "read_tensor", "read_info", "compact_cpu", "is_compact", "to_cpu",
+    "write_tensor", "tensor_frame", "tensor_parts", "tensor_to_bytes", "read_tensor", "read_info", "compact_cpu", "is_compact", "to_cpu",
     "dump_refs", "load_refs", "load_pickle", "load_pickle_in_place", "load_tensor_in_place", "ViewReader", "RangeFile", "save", "load", "is_master",
     "LazyFile", "open_lazy", "unpickle_meta", "RecordSums",
     "XserError", "MissingFileError", "CorruptFileError", "UnsafeCheckpointError",

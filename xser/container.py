@@ -80,10 +80,17 @@ def _save_to(obj: Any, fileobj) -> None:
         flush()
 
 
+def tensor_parts(t: torch.Tensor) -> Optional[Tuple[bytes, memoryview, bytes]]:
+    """The bytes of ``t``'s file as ``write_tensor`` writes them, in three pieces: (bytes before the data, the
+    data itself without a copy (valid while ``t`` lives), bytes after); None when ``t`` is not a plain dense CPU
+    tensor whose storage is exactly its bytes, or torch must write it (then call ``write_tensor``)."""
+    template = _template()
+    return template.parts(t) if template is not None else None
+
+
 def write_tensor(t: torch.Tensor, fileobj) -> None:
     """Write ``t`` (a compact CPU tensor) into ``fileobj`` exactly as ``save`` would, in one to three writes."""
-    template = _template()
-    parts = template.parts(t) if template is not None else None
+    parts = tensor_parts(t)
     if parts is None:
         save(t, fileobj)
         return

@@ -14,7 +14,7 @@ import io
 import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Callable, Dict, Iterable, Iterator, List, Optional, Tuple
+from typing import Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import crc32c as _crc32c
 
@@ -93,8 +93,8 @@ class Capabilities:
     ``sync_dirs`` (POSIX page cache); object stores are durable once a write is acknowledged.
     ``local``: ``local_path`` gives a filesystem path (memory-mapped reads). ``create_exclusive``:
     ``write_file(..., exclusive=True)`` fails when the key exists (S3 ``If-None-Match: *``). ``reuse_files``:
-    ``write_file(..., reuse=key)`` may take over the file at ``key`` instead of creating a new one (renamed into
-    place and overwritten: reuse.py)."""
+    ``write_file(..., reuse=True)`` may overwrite a retired checkpoint's file at its key in place instead of
+    creating a new one (reuse.py)."""
 
     rename: bool
     exchange: bool = False
@@ -113,6 +113,11 @@ class Sink(ABC):
 
     @abstractmethod
     def write(self, view: memoryview) -> None: ...
+
+    def write_parts(self, views: Sequence[memoryview]) -> None:
+        """Write ``views`` one after the other (a backend may do it in one call)."""
+        for view in views:
+            self.write(view)
 
     @abstractmethod
     def finish(self, record: FileRecord, durable: bool) -> None:
@@ -190,20 +195,16 @@ class Storage(ABC):
 
     # --- derived, one place for all backends ------------------------------------------------------------
     def write_file(self, relpath: str, produce: Callable, *, durable: bool = True, atomic: bool = True,
-                   exclusive: bool = False, size_hint: int = 0, reuse: Optional[str] = None) -> FileRecord:
+                   exclusive: bool = False, size_hint: int = 0, reuse: bool = False) -> FileRecord:
         """Call ``produce(fileobj)`` to write ``relpath``; the bytes are CRC32C-checksummed and counted as
         they pass. ``durable=False``: the caller makes the file durable later with ``sync_files``.
         ``atomic=False``: a crash may leave a partial file under its key (only for files inside an
         uncommitted staging directory). ``size_hint``: the bytes ``produce`` is expected to write, when known
-        (a local disk writes large files past the page cache). ``reuse``: the key of a file nobody needs any more
-        (a retired checkpoint's), which a backend with ``caps.reuse_files`` takes over when it is there instead
-        of creating a file. Blocks until the backend acknowledged the write."""
-        if _write_hook is not None:
-            _write_hook(relpath)
-        if reuse is not None and self.caps.reuse_files:
-            sink = self._sink(relpath, atomic, exclusive, size_hint, reuse=reuse)
-        else:
-            sink = self._sink(relpath, atomic, exclusive, size_hint)
+        (a local disk writes large files past the page cache). ``reuse`` (with ``atomic=False``): the file at
+        ``relpath`` may be a retired checkpoint's that nobody needs any more (reuse.py), which a backend with
+        ``caps.reuse_files`` overwrites in place, cut to its new length, instead of creating a new file. Blocks
+        until the backend acknowledged the write."""
+        sink = self._open_sink(relpath, atomic, exclusive, size_hint, reuse)
         try:
             writer = _CountingWriter(sink, relpath)
             produce(writer)
@@ -214,8 +215,33 @@ class Storage(ABC):
             raise
         return record
 
+    def write_parts(self, relpath: str, parts: Sequence, *, durable: bool = True, atomic: bool = True,
+                    exclusive: bool = False, reuse: bool = False) -> FileRecord:
+        """``write_file`` of bytes already in memory: ``parts`` (bytes-like objects) written one after the other,
+        with no file object between (a local file gets them in one system call). Blocks as ``write_file``."""
+        views = [memoryview(p).cast("B") for p in parts]
+        crc = 0
+        for view in views:
+            crc = _crc32c.crc32c(view, crc)
+        record = FileRecord(relpath, sum(len(v) for v in views), crc)
+        sink = self._open_sink(relpath, atomic, exclusive, record.size, reuse)
+        try:
+            sink.write_parts(views)
+            sink.finish(record, durable)
+        except BaseException:
+            sink.abort()
+            raise
+        return record
+
+    def _open_sink(self, relpath: str, atomic: bool, exclusive: bool, size_hint: int, reuse: bool) -> Sink:
+        if _write_hook is not None:
+            _write_hook(relpath)
+        if reuse and self.caps.reuse_files:
+            return self._sink(relpath, atomic, exclusive, size_hint, reuse=True)
+        return self._sink(relpath, atomic, exclusive, size_hint)
+
     def write_bytes(self, relpath: str, data: bytes, **kw) -> FileRecord:
-        return self.write_file(relpath, lambda f: f.write(data), **kw)
+        return self.write_parts(relpath, (data,), **kw)
 
     def read_bytes(self, relpath: str) -> bytes:
         return self.read(relpath)
