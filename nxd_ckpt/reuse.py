@@ -11,8 +11,8 @@ project's VM (ext4) 0.25-1.1 ms of system CPU per file created, against 0.03 ms 
 "Levers measured").
 
 What this costs: between saves the folder holds the retired tag's files (the disk holds ``num_kept_ckpts`` + 1
-tags' worth until the next save takes them; during a save of the same file names the same peak as deleting, one
-tag more for the first save after a change of layout). Deleting the folder is always safe. A file is never
+tags' worth until the next save takes them; during a save the same peak as deleting, since what the save does not
+overwrite goes before its commit). Deleting the folder is always safe. A file is never
 overwritten when it is a hard link (its bytes are also another name's) or not a regular file (it is removed and a
 new file created), and a tag that is or holds a symlink is deleted, never kept. A reader that kept a retired
 tag's file open or mapped sees the next save's bytes once it is overwritten, where a deleted file would have kept
@@ -75,7 +75,7 @@ def empty(storage: Storage) -> None:
 def take(storage: Storage, workdir: str) -> bool:
     """Rank 0, preparing a save (``commit.RenameCommit.begin``): rename the retired tag, if there is one, to the
     save's working directory ``workdir`` (which does not exist). True when it did: the ranks then write with
-    ``Storage.write_file(reuse=True)`` and rank 0 calls ``sweep`` before it publishes."""
+    ``reuse=True`` (``Storage.write_parts``/``write_file``) and rank 0 calls ``sweep`` before it publishes."""
     if not storage.caps.reuse_files:
         return False
     for name in reversed(storage.listdir(REUSE_DIR)):
