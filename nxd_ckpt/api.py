@@ -69,9 +69,9 @@ def save_checkpoint(checkpoint_dir_str, tag, model=None, optimizer=None, schedul
     :func:`release_host_buffers` frees them at any time.
 
     ``reuse_retired_files=True`` (a filesystem checkpoint_dir): the tag ``num_kept_ckpts`` retention removes is
-    kept in ``checkpoint_dir/.nxd_ckpt_reuse/`` until the next save, which renames its files into place and
-    overwrites them instead of creating new files (``nxd_ckpt.reuse``: file creation is most of the CPU of
-    writing small files); ``False`` deletes it, and empties that folder.
+    kept in ``checkpoint_dir/.nxd_ckpt_reuse/`` until the next save, which renames it to its staging directory and
+    overwrites its files in place instead of creating new files (``nxd_ckpt.reuse``: file creation is most of the
+    CPU of writing small files); ``False`` deletes it, and empties that folder.
     """
     called_at = time.monotonic()
     tag = validate_save_args(checkpoint_dir_str, tag, model, optimizer, scheduler, num_workers, use_xser,

@@ -55,7 +55,10 @@ def _has_links(storage: Storage, name: str) -> bool:
     kept (the delete removes the links, not what they point at). Cheap: the folder entries' types as listed, no
     system call per file."""
     top = storage.local_path(name)
-    return top is None or os.path.islink(top) or _holds_link(top)
+    try:
+        return top is None or os.path.islink(top) or _holds_link(top)
+    except OSError:     # a folder it cannot list (permissions, removed meanwhile): not kept, deleted as usual
+        return True
 
 
 def _holds_link(folder: str) -> bool:

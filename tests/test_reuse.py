@@ -197,3 +197,47 @@ def test_dp_replicas_take_over_their_own_files(tmp_path):
     assert len(tensor_files) > 4 and all(new[rel] == held[rel] for rel in tensor_files)
     assert tags_on_disk(root) == ["newest", "s2"] and retired(root) == ["s1.nxdold"]
     _verified(root, "s2")
+
+
+def test_a_retired_file_where_the_save_wants_a_folder_is_replaced(tmp_path):
+    """The retired tag holds a file at the path of a folder this save writes into: the file goes, the save
+    succeeds."""
+    import shutil
+
+    import nxd_ckpt
+
+    root = str(tmp_path / "ckpt")
+    model = TinyShard()
+    for tag in ("s0", "s1"):
+        nxd_ckpt.save_checkpoint(root, tag, model=model, num_kept_ckpts=1, use_xser=True)
+    tensors = os.path.join(root, REUSE, "s0.nxdold", "model", "dp_rank_00_tp_rank_00_pp_rank_00.pt.tensors")
+    shutil.rmtree(tensors)
+    with open(tensors, "wb") as f:
+        f.write(b"in the way")
+    nxd_ckpt.save_checkpoint(root, "s2", model=model, num_kept_ckpts=1, use_xser=True)
+    _verified(root, "s2")
+    fresh = TinyShard(seed_offset=3)
+    nxd_ckpt.load_checkpoint(root, model=fresh)
+    assert_bit_equal(to_cpu_state(model.state_dict()), to_cpu_state(fresh.state_dict()))
+
+
+def test_a_retired_tag_that_cannot_be_listed_is_deleted_and_retention_goes_on(tmp_path, monkeypatch):
+    """The link check cannot read the tag (permissions, removed meanwhile): it is deleted as without reuse, and
+    retention is not stopped by it."""
+    import nxd_ckpt
+    from nxd_ckpt import reuse
+
+    root = str(tmp_path / "ckpt")
+    model = TinyShard()
+    real = reuse._holds_link
+
+    def refuse(folder):
+        if "s0" in folder:
+            raise PermissionError(13, "Permission denied", folder)
+        return real(folder)
+
+    monkeypatch.setattr(reuse, "_holds_link", refuse)
+    for tag in ("s0", "s1", "s2"):
+        nxd_ckpt.save_checkpoint(root, tag, model=model, num_kept_ckpts=1, use_xser=True)
+        assert nxd_ckpt.save_stats()[-1].get("retention_error") is None
+    assert tags_on_disk(root) == ["newest", "s2"] and retired(root) == ["s1.nxdold"]

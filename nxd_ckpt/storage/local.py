@@ -61,7 +61,8 @@ class _FileSink(Sink):
         self._exclusive = exclusive
         if exclusive and os.path.exists(final):
             raise AlreadyExistsError(errno.EEXIST, "already exists", final)
-        if reuse and not atomic:
+        self._reuse = reuse and not atomic
+        if self._reuse:
             # an open of an existing file is a lookup, no change to its folder: outside the creation lock
             fd, self.taken_size = _take_over(self._path, self._flags)
             if fd >= 0:
@@ -80,7 +81,11 @@ class _FileSink(Sink):
             # The folder is created on the first miss only: thousands of tensor files share a few folders,
             # and a makedirs per file cost three system calls each.
             os.makedirs(os.path.dirname(self._final), exist_ok=True)
-            return os.open(self._path, self._flags, 0o666)
+        except NotADirectoryError:
+            if not self._reuse:
+                raise
+            _clear_folders(os.path.dirname(self._final))   # a retired tag's file where this save wants a folder
+        return os.open(self._path, self._flags, 0o666)
 
     def write(self, view: memoryview) -> None:
         done, total = 0, len(view)
@@ -315,9 +320,10 @@ def _take_over(path: str, flags: int) -> Tuple[int, int]:
         fd = os.open(path, (flags & ~(os.O_CREAT | os.O_TRUNC)) | os.O_NOFOLLOW | os.O_NONBLOCK)
     except FileNotFoundError:
         return -1, -1
-    except OSError as exc:
-        if exc.errno != errno.EINVAL:     # EINVAL: O_DIRECT refused (the caller's create falls back)
-            _discard(path)
+    except OSError:
+        # anything else (a symlink, a FIFO, a folder, O_DIRECT refused for what is there): removed, so that the
+        # caller's creation, which follows links and waits on FIFOs, never meets it
+        _discard(path)
         return -1, -1
     st = os.fstat(fd)
     if st.st_nlink == 1 and stat.S_ISREG(st.st_mode):
@@ -325,6 +331,17 @@ def _take_over(path: str, flags: int) -> Tuple[int, int]:
     os.close(fd)
     _discard(path)
     return -1, -1
+
+
+def _clear_folders(folder: str) -> None:
+    """Make ``folder`` a folder where a retired tag left a file (or anything else) at it or at one of its parents:
+    the deepest of them that exists is that file."""
+    blocked = folder
+    while blocked and not os.path.lexists(blocked):
+        blocked = os.path.dirname(blocked)
+    if blocked and (os.path.islink(blocked) or not os.path.isdir(blocked)):
+        _discard(blocked)
+    os.makedirs(folder, exist_ok=True)
 
 
 def _discard(path: str) -> None:
