@@ -54,6 +54,7 @@ RESUMED = "resumed"
 @dataclass
 class Outcome:
     status: str          # "ok" (returned), "error" (raised), "died" (exited without returning), "stopped"
+    #                      (a straggler found stopped by a signal), "running" (a straggler found not stopped)
     value: Any = None    # return value, traceback text, or exit description
     output: str = ""     # tail of the rank's stdout/stderr
 
@@ -116,9 +117,11 @@ def run_ranks_tolerant(fn, world_size: int, *args, timeout: float = 120, straggl
                 out[rank] = Outcome(status, value)
         late = [r for r in conns if r not in stragglers]
         for r in list(conns):
+            state = _process_state(procs[r].pid)
             harness._kill_tree(procs[r])
             procs[r].join(timeout=5)
-            out[r] = Outcome("stopped" if r in stragglers else "timeout", harness._signal_name(procs[r].exitcode))
+            status = ("stopped" if state == "T" else "running") if r in stragglers else "timeout"
+            out[r] = Outcome(status, f"{harness._signal_name(procs[r].exitcode)} (was in state {state})")
         for p in procs:
             p.join(timeout=max(1.0, deadline - time.monotonic()))
         for r, o in out.items():
@@ -136,6 +139,15 @@ def run_ranks_tolerant(fn, world_size: int, *args, timeout: float = 120, straggl
             c.close()
         del store
         shutil.rmtree(logdir, ignore_errors=True)
+
+
+def _process_state(pid: int) -> str:
+    """The kernel's one-letter state of ``pid`` (T: stopped by a signal), "?" when unknown."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "?"
 
 
 def describe(outcomes: List[Outcome]) -> str:
@@ -354,7 +366,11 @@ def hung_run(rank: int, world: int, root: str, stopped: int, timeout_s: float, s
     state = {f"w{i}": torch.full((8,), float(i)).to(xla_device()) for i in range(2 * world)}
     nxd_ckpt.save_checkpoint(root, "good", model=state, use_xser=True)
     if rank == stopped:
-        set_write_hook(lambda rel: os.kill(os.getpid(), signal.SIGSTOP) if ".tensors/" in rel else None)
+        def stop(rel: str) -> None:
+            if ".tensors/" in rel:
+                print(f"rank {rank}: SIGSTOP before writing {rel}", flush=True)   # in the log the test shows
+                os.kill(os.getpid(), signal.SIGSTOP)
+        set_write_hook(stop)
     elif rank == 0 and slow_root_s:
         set_write_hook(lambda rel: time.sleep(slow_root_s) if ".tensors/" in rel else None)
     try:
