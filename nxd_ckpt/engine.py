@@ -21,7 +21,7 @@ from .staging import (HostBudget, HostBufferPool, chunk_by_bytes, copy_to_host, 
 from .storage import Storage
 from .storage.local import BOUNCES
 from .world import World
-from .writepool import WriteTask, bytes_task, failing_task, plain_shard_producer, tensor_task
+from .writepool import WriteTask, bytes_task, failing_task, plain_shard_producer, tensor_file_lead, tensor_task
 
 log = logging.getLogger("nxd_ckpt")
 
@@ -100,7 +100,7 @@ class Engine:
         elif budget_bytes and budget_bytes != self.budget.capacity:
             self.budget.capacity = int(budget_bytes)
         if self.buffers is None:
-            self.buffers = HostBufferPool(self.budget.capacity, keep=keep_buffers)
+            self.buffers = HostBufferPool(self.budget.capacity, keep=keep_buffers, lead_of=tensor_file_lead)
         self.buffers.set_capacity(self.budget.capacity)
         self.buffers.keep = keep_buffers
         if not keep_buffers:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import mmap
 import os
 import threading
 import time
@@ -123,6 +124,34 @@ def no_lease() -> HostLease:
     return HostLease(None, 0)
 
 
+#: Pool buffers of at least this many bytes are mapped on their own (``aligned_buffer``): placed so that a local
+#: file's direct writes send them to the disk from where they are, without the copy into a bounce buffer (the
+#: threshold of ``storage.local.DIRECT_MIN_BYTES``; smaller files are written through the page cache anyway).
+ALIGNED_MIN_BYTES = 1 << 20
+_BLOCK = 4096               # the alignment O_DIRECT wants of memory and file offsets (storage.local._DIRECT_ALIGN)
+_HUGE_PAGE = 2 << 20
+
+
+def aligned_buffer(nbytes: int, lead: int) -> torch.Tensor:
+    """A flat uint8 tensor of ``nbytes`` whose first byte sits ``lead`` bytes past a 4 KiB boundary, in an
+    anonymous mapping of its own that asks for transparent huge pages.
+
+    Why: a tensor file is ``lead`` bytes of header, then the data. Placed like this, the data's bytes that the
+    file puts on a block boundary are on a page boundary in memory, so an O_DIRECT write takes them from here
+    (``storage.local._DirectFileSink``) instead of copying them into a bounce buffer first; in huge pages, the
+    kernel pins them 2 MiB at a time. The mapping is unmapped when the tensor is freed."""
+    lead %= _BLOCK
+    mapping = mmap.mmap(-1, nbytes + _HUGE_PAGE + _BLOCK, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    huge = -ctypes.addressof(ctypes.c_char.from_buffer(mapping)) % _HUGE_PAGE
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            mapping.madvise(mmap.MADV_HUGEPAGE, huge, nbytes + lead)
+        except OSError:     # a kernel without transparent huge pages: small pages, same placement
+            pass
+    view = memoryview(mapping)[huge + lead:huge + lead + nbytes]
+    return torch.frombuffer(view, dtype=torch.uint8)     # keeps the view, which keeps the mapping
+
+
 class HostBufferPool:
     """Host buffers for snapshots, kept between saves so that the next snapshot of the same shapes writes into
     pages that are already mapped (a first touch of fresh anonymous memory costs about 1-2 CPU-s/GB on this
@@ -135,9 +164,11 @@ class HostBufferPool:
     ``capacity`` (the host memory budget): free buffers of other sizes are dropped to make room, and a
     buffer that would not fit even then is lent unpooled (freed when its file is written). Thread-safe."""
 
-    def __init__(self, capacity: int, keep: bool = True):
+    def __init__(self, capacity: int, keep: bool = True, lead_of: Optional[Callable[[torch.Tensor], int]] = None):
         self.capacity = int(capacity)
         self.keep = keep
+        #: bytes that precede a tensor's data in the file it is written to (``aligned_buffer``); None: unknown
+        self.lead_of = lead_of
         self._free: Dict[int, List[torch.Tensor]] = {}
         self._lent: Dict[int, torch.Tensor] = {}    # storage data_ptr -> its pooled buffer
         self._held = 0                              # bytes of pooled buffers, free and lent
@@ -156,13 +187,13 @@ class HostBufferPool:
         nbytes = t.numel() * t.element_size()
         if nbytes == 0:
             return torch.empty(t.shape, dtype=t.dtype, device="cpu")
-        buf = self._take(nbytes)
+        buf = self._take(nbytes, t)
         # One tensor object over the buffer's storage: ``buf.view(dtype).view(shape)`` kept the intermediate
         # alive as the view's base, a second GC-tracked object per file for as long as the save runs.
         out = torch.empty(0, dtype=t.dtype, device="cpu")
         return out.set_(buf.untyped_storage(), 0, t.shape)
 
-    def _take(self, nbytes: int) -> torch.Tensor:
+    def _take(self, nbytes: int, like: torch.Tensor) -> torch.Tensor:
         with self._lock:
             free = self._free.get(nbytes)
             if free:
@@ -170,13 +201,19 @@ class HostBufferPool:
                 self.reused += 1
             else:
                 self._make_room(nbytes)
-                buf = torch.empty(nbytes, dtype=torch.uint8, device="cpu")     # host memory whatever the default
+                buf = self._allocate(nbytes, like)
                 self.allocated += 1
                 if self._held + nbytes > self.capacity:
                     return buf                      # lent unpooled: not tracked, freed after its write
                 self._held += nbytes
             self._lent[buf.data_ptr()] = buf
             return buf
+
+    def _allocate(self, nbytes: int, like: torch.Tensor) -> torch.Tensor:
+        lead = self.lead_of(like) if self.lead_of is not None and nbytes >= ALIGNED_MIN_BYTES else None
+        if lead is None:
+            return torch.empty(nbytes, dtype=torch.uint8, device="cpu")     # host memory whatever the default
+        return aligned_buffer(nbytes, lead)
 
     def _make_room(self, nbytes: int) -> None:
         """Drop free buffers (largest sizes first) until ``nbytes`` more fit in the capacity."""

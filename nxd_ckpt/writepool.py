@@ -78,6 +78,13 @@ class TensorTask(WriteTask):
         return xser.tensor_parts(self.tensor)
 
 
+def tensor_file_lead(t: torch.Tensor) -> Optional[int]:
+    """How many bytes precede the data of ``t``'s tensor file (``staging.HostBufferPool``'s ``lead_of``: its
+    buffers are placed for the direct writes of these files); None when the file is not written in that form."""
+    frame = xser.tensor_frame(t.shape, t.dtype)
+    return None if frame is None else len(frame[0])
+
+
 def tensor_task(relpath: str, tensor: torch.Tensor, lease: Optional[HostLease] = None) -> TensorTask:
     return TensorTask(relpath, tensor, lease if lease is not None else no_lease())
 

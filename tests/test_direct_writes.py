@@ -265,3 +265,86 @@ def test_a_kernel_without_huge_pages_gets_a_bounce_buffer_of_small_pages(tmp_pat
     _write(LocalStorage(str(tmp_path)), "f", [data], hint=len(data))
     assert (tmp_path / "f").read_bytes() == data
     local.BOUNCES.release()
+
+
+# ---- snapshot buffers written from where they are ---------------------------------------------------------
+def _copied(monkeypatch):
+    """Bytes that went through the bounce buffer (local._copy), counted."""
+    count = [0]
+    real = local._copy
+
+    def spy(dst, addr, at, src):
+        count[0] += len(src)
+        real(dst, addr, at, src)
+
+    monkeypatch.setattr(local, "_copy", spy)
+    return count
+
+
+@pytest.mark.parametrize("shape", [(1024, 1024), (3001, 777), (262_145,)])
+def test_a_pool_buffer_placed_for_its_file_is_written_without_the_bounce_copy(tmp_path, opened, monkeypatch,
+                                                                            shape):
+    """A snapshot buffer (aligned_buffer at its file's lead) goes to the disk from where it is: only the header,
+    the data's first and last partial blocks and the trailer are copied; the file is byte for byte what torch's
+    writer makes. The same tensor in torch's own memory (64 bytes past a page) goes through the bounce buffer."""
+    from nxd_ckpt.staging import HostBufferPool
+    from nxd_ckpt.writepool import tensor_file_lead
+
+    src = torch.randn(shape)
+    expect = xser.tensor_to_bytes(src)
+    pool = HostBufferPool(1 << 30, lead_of=tensor_file_lead)
+    placed = pool.empty_like(src).copy_(src)
+    assert (placed.data_ptr() - tensor_file_lead(src)) % 4096 == 0
+    storage = LocalStorage(str(tmp_path))
+    copied = _copied(monkeypatch)
+    storage.write_parts("placed.pt", xser.tensor_parts(placed), durable=False, atomic=False)
+    assert (tmp_path / "placed.pt").read_bytes() == expect
+    assert opened["placed.pt"] & os.O_DIRECT
+    assert copied[0] < len(expect) - src.nbytes + 2 * 4096
+    copied[0] = 0
+    plain = src.clone()
+    assert plain.data_ptr() % 4096 != tensor_file_lead(src) % 4096
+    storage.write_parts("plain.pt", xser.tensor_parts(plain), durable=False, atomic=False)
+    assert (tmp_path / "plain.pt").read_bytes() == expect
+    assert copied[0] == len(expect)
+
+
+@pytest.mark.parametrize("refused_at", [0, 1, 2])
+def test_an_in_place_write_refused_with_einval_goes_on_buffered(tmp_path, opened, monkeypatch, refused_at):
+    """The first block (header + data), the in-place middle, the last block: whichever the device refuses, the
+    file still holds exactly the bytes."""
+    from nxd_ckpt.staging import aligned_buffer
+
+    lead = 704
+    data = aligned_buffer(3 * MIB + 123, lead)
+    data.copy_(torch.randint(0, 256, (3 * MIB + 123,), dtype=torch.uint8))
+    real_pwrite, calls = os.pwrite, []
+
+    def pwrite(fd, view, offset):
+        calls.append(offset)
+        if len(calls) == refused_at + 1:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_pwrite(fd, view, offset)
+
+    monkeypatch.setattr(os, "pwrite", pwrite)
+    view = memoryview((ctypes.c_char * data.numel()).from_address(data.data_ptr())).cast("B")
+    LocalStorage(str(tmp_path)).write_parts("f", [b"h" * lead, view, b"tail"], durable=False, atomic=False)
+    assert (tmp_path / "f").read_bytes() == b"h" * lead + data.numpy().tobytes() + b"tail"
+    assert len(calls) >= 3
+
+
+def test_aligned_buffers_sit_at_their_lead_and_the_pool_places_only_large_ones():
+    from nxd_ckpt.staging import HostBufferPool, aligned_buffer
+
+    for lead in (0, 64, 704, 4095, 4096 + 128):
+        buf = aligned_buffer(MIB + 1, lead)
+        assert buf.numel() == MIB + 1 and buf.dtype == torch.uint8
+        assert buf.data_ptr() % 4096 == lead % 4096
+        buf.fill_(7)
+        assert int(buf.sum()) == 7 * (MIB + 1)
+    pool = HostBufferPool(1 << 30, lead_of=lambda t: 704)
+    big, small = pool.empty_like(torch.empty(MIB // 4)), pool.empty_like(torch.empty(1000))
+    assert big.data_ptr() % 4096 == 704
+    assert small.data_ptr() % 4096 != 704        # torch's allocator: 64-byte aligned
+    pool.give_back([big, small])
+    assert pool.empty_like(torch.empty(MIB // 4)).data_ptr() == big.data_ptr()   # kept and reused as placed

@@ -261,7 +261,35 @@ class _DirectFileSink(_FileSink):
 
     def write_parts(self, views: Sequence[memoryview]) -> None:
         for view in views:
-            self.write(view)
+            if not (len(view) >= DIRECT_MIN_BYTES and self._write_in_place(view)):
+                self.write(view)
+
+    def _write_in_place(self, view: memoryview) -> bool:
+        """Write ``view``'s block-aligned middle from where it is in memory, without the bounce buffer's copy;
+        its head and tail (less than a block each) go through the bounce buffer. Possible when the bytes that fall
+        on a block boundary of the file sit on one in memory (``staging.aligned_buffer`` places a snapshot's
+        buffers so); False, nothing written, otherwise."""
+        addr = _address(view)
+        head = -(self._offset + self._fill) % _DIRECT_ALIGN
+        if not self.direct or addr is None or (addr + head) % _DIRECT_ALIGN or len(view) < head + _DIRECT_ALIGN:
+            return False
+        self.write(view[:head])
+        if self._fill:
+            self._flush()          # ends on a block boundary: no padding
+        middle = view[head:head + (len(view) - head) // _DIRECT_ALIGN * _DIRECT_ALIGN]
+        if self.direct:
+            try:
+                _pwrite_all(self._fd, middle, self._offset)
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise
+                self.direct = False     # as _flush: buffered from here on
+                _set_direct(self._fd, False)
+        if not self.direct:
+            _pwrite_all(self._fd, middle, self._offset)
+        self._offset += len(middle)
+        self.write(view[head + len(middle):])
+        return True
 
     def write(self, view: memoryview) -> None:
         _, dst, addr = self._bounce
@@ -386,6 +414,13 @@ def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
     done = 0
     while done < len(view):
         done += os.pwrite(fd, view[done:], offset + done)
+
+
+def _address(view: memoryview) -> Optional[int]:
+    """The address of ``view``'s first byte; None for a read-only view (ctypes takes only writable buffers)."""
+    if view.readonly or not view.contiguous:
+        return None
+    return ctypes.addressof(ctypes.c_char.from_buffer(view))
 
 
 def _copy(dst: memoryview, dst_addr: int, at: int, src: memoryview) -> None:
