@@ -238,6 +238,8 @@ class _DirectFileSink(_FileSink):
         self._bounce = BOUNCES.take()   # first: a sink that failed to open has nothing else to give back
         self._fill = 0                  # bytes in the bounce buffer
         self._offset = 0                # file offset of the bounce buffer's first byte
+        self._middle: Optional[memoryview] = None   # caller's bytes written between the bounce buffer's first
+        self._split = 0                             # _split bytes and the rest (``_write_in_place``)
         try:
             super().__init__(final, atomic, exclusive, create_lock, reuse)
         except BaseException:
@@ -265,30 +267,21 @@ class _DirectFileSink(_FileSink):
                 self.write(view)
 
     def _write_in_place(self, view: memoryview) -> bool:
-        """Write ``view``'s block-aligned middle from where it is in memory, without the bounce buffer's copy;
-        its head and tail (less than a block each) go through the bounce buffer. Possible when the bytes that fall
-        on a block boundary of the file sit on one in memory (``staging.aligned_buffer`` places a snapshot's
-        buffers so); False, nothing written, otherwise."""
+        """Take ``view``'s block-aligned middle from where it is in memory, without the bounce buffer's copy: its
+        head goes into the bounce buffer up to a block boundary of the file, the middle is held, and what follows
+        (the rest of ``view``, the trailer) goes into the bounce buffer after the head, so that the next flush
+        writes all three with one ``pwritev``. Possible when the bytes that fall on a block boundary of the file
+        sit on one in memory (``staging.aligned_buffer`` places a snapshot's buffers so), once per file; False,
+        nothing written, otherwise."""
         addr = _address(view)
         head = -(self._offset + self._fill) % _DIRECT_ALIGN
-        if not self.direct or addr is None or (addr + head) % _DIRECT_ALIGN or len(view) < head + _DIRECT_ALIGN:
+        if (not self.direct or self._middle is not None or addr is None or (addr + head) % _DIRECT_ALIGN
+                or len(view) < head + _DIRECT_ALIGN):
             return False
-        self.write(view[:head])
-        if self._fill:
-            self._flush()          # ends on a block boundary: no padding
-        middle = view[head:head + (len(view) - head) // _DIRECT_ALIGN * _DIRECT_ALIGN]
-        if self.direct:
-            try:
-                _pwrite_all(self._fd, middle, self._offset)
-            except OSError as exc:
-                if exc.errno != errno.EINVAL:
-                    raise
-                self.direct = False     # as _flush: buffered from here on
-                _set_direct(self._fd, False)
-        if not self.direct:
-            _pwrite_all(self._fd, middle, self._offset)
-        self._offset += len(middle)
-        self.write(view[head + len(middle):])
+        self.write(view[:head])     # the bounce buffer now ends on a block boundary of the file
+        middle = (len(view) - head) // _DIRECT_ALIGN * _DIRECT_ALIGN
+        self._split, self._middle = self._fill, view[head:head + middle]
+        self.write(view[head + middle:])
         return True
 
     def write(self, view: memoryview) -> None:
@@ -303,25 +296,27 @@ class _DirectFileSink(_FileSink):
                 self._flush()
 
     def _flush(self) -> None:
-        """Write the bounce buffer at its file offset: directly, padded to the block size (cut at the end),
-        or buffered once the filesystem has refused that."""
-        view = self._bounce[1]
+        """Write the bounce buffer at its file offset (with the middle held by ``_write_in_place`` between its
+        first ``_split`` bytes and the rest): directly, padded to the block size (cut at the end), or buffered
+        once the filesystem has refused that."""
+        view, split, middle = self._bounce[1], self._split, self._middle
+        pieces = [view[:split], middle, view[split:self._fill]] if middle is not None else [view[:self._fill]]
         if self.direct:
             padded = -(-self._fill // _DIRECT_ALIGN) * _DIRECT_ALIGN
             try:
-                _pwrite_all(self._fd, view[:padded], self._offset)
+                _pwritev_all(self._fd, pieces[:-1] + [view[split if middle is not None else 0:padded]], self._offset)
             except OSError as exc:
                 if exc.errno != errno.EINVAL:
                     raise
                 self.direct = False     # a device that wants another alignment: buffered from here on
                 _set_direct(self._fd, False)
         if not self.direct:
-            _pwrite_all(self._fd, view[:self._fill], self._offset)
-        self._offset += self._fill
-        self._fill = 0
+            _pwritev_all(self._fd, pieces, self._offset)
+        self._offset += self._fill + (len(middle) if middle is not None else 0)
+        self._fill, self._split, self._middle = 0, 0, None
 
     def finish(self, record: FileRecord, durable: bool) -> None:
-        if self._fill:
+        if self._fill or self._middle is not None:
             self._flush()
         os.ftruncate(self._fd, self._offset)        # the last chunk's padding, and blocks reserved and not used
         self._give_back()
@@ -332,6 +327,7 @@ class _DirectFileSink(_FileSink):
         super().abort()
 
     def _give_back(self) -> None:
+        self._middle = None
         bounce, self._bounce = self._bounce, None
         if bounce is not None:
             BOUNCES.give_back(bounce)
@@ -410,10 +406,17 @@ def _set_direct(fd: int, on: bool) -> None:
     fcntl.fcntl(fd, fcntl.F_SETFL, (flags | _O_DIRECT) if on else (flags & ~_O_DIRECT))
 
 
-def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
-    done = 0
-    while done < len(view):
-        done += os.pwrite(fd, view[done:], offset + done)
+def _pwritev_all(fd: int, views: List[memoryview], offset: int) -> None:
+    """``views`` written one after the other at ``offset``, in one system call unless it writes short."""
+    views = [v for v in views if len(v)]
+    while views:
+        done = os.pwritev(fd, views, offset)
+        offset += done
+        while views and done >= len(views[0]):
+            done -= len(views[0])
+            views.pop(0)
+        if done:
+            views[0] = views[0][done:]
 
 
 def _address(view: memoryview) -> Optional[int]:
