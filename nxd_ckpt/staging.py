@@ -213,9 +213,12 @@ class HostBufferPool:
 
     def _allocate(self, nbytes: int, like: torch.Tensor) -> torch.Tensor:
         lead = self.lead_of(like) if self.lead_of is not None and nbytes >= ALIGNED_MIN_BYTES else None
-        if lead is None:
-            return torch.empty(nbytes, dtype=torch.uint8, device="cpu")     # host memory whatever the default
-        return aligned_buffer(nbytes, lead)
+        if lead is not None:
+            try:
+                return aligned_buffer(nbytes, lead)
+            except OSError as exc:  # out of mappings (vm.max_map_count) or of commit: an ordinary buffer will do
+                log.debug("nxd_ckpt: placed host buffer of %d bytes refused (%s); allocating it unplaced", nbytes, exc)
+        return torch.empty(nbytes, dtype=torch.uint8, device="cpu")     # host memory whatever the default
 
     def _make_room(self, nbytes: int) -> None:
         """Drop free buffers (largest sizes first) until ``nbytes`` more fit in the capacity."""

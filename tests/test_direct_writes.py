@@ -20,6 +20,17 @@ MIB = 1 << 20
 
 
 @pytest.fixture
+def direct_ok(tmp_path):
+    """Skip where tmp_path's filesystem refuses O_DIRECT (tmpfs before Linux 6.6): what a test asserts about direct
+    writes cannot happen there."""
+    try:
+        os.close(os.open(tmp_path / "probe", os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o644))
+    except OSError:
+        pytest.skip("this filesystem refuses O_DIRECT")
+    os.unlink(tmp_path / "probe")
+
+
+@pytest.fixture
 def opened(monkeypatch, tmp_path):
     """The flags each file under tmp_path was first opened with, the filesystem told to be ext4."""
     monkeypatch.setattr(local, "_filesystem_type", lambda p: EXT4)
@@ -282,12 +293,12 @@ def _copied(monkeypatch):
 
 
 @pytest.mark.parametrize("shape", [(1024, 1024), (3001, 777), (1_048_577,)])
-def test_a_pool_buffer_placed_for_its_file_is_written_without_the_bounce_copy(tmp_path, opened, monkeypatch,
-                                                                            shape):
+def test_a_pool_buffer_placed_for_its_file_is_written_without_the_bounce_copy(tmp_path, direct_ok, opened,
+                                                                            monkeypatch, shape):
     """A snapshot buffer (aligned_buffer at its file's lead) goes to the disk from where it is: only the header,
     the data's first and last partial blocks and the trailer are copied; the file is byte for byte what torch's
-    writer makes. The same tensor in torch's own memory (64 bytes past a page) goes through the bounce buffer."""
-    from nxd_ckpt.staging import HostBufferPool
+    writer makes. The same tensor placed 64 bytes off goes through the bounce buffer."""
+    from nxd_ckpt.staging import HostBufferPool, aligned_buffer
     from nxd_ckpt.writepool import tensor_file_lead
 
     src = torch.randn(shape)
@@ -302,15 +313,16 @@ def test_a_pool_buffer_placed_for_its_file_is_written_without_the_bounce_copy(tm
     assert opened["placed.pt"] & os.O_DIRECT
     assert copied[0] < len(expect) - src.nbytes + 2 * 4096
     copied[0] = 0
-    plain = src.clone()
-    assert plain.data_ptr() % 4096 != tensor_file_lead(src) % 4096
+    off = aligned_buffer(src.nbytes, tensor_file_lead(src) + 64)
+    plain = torch.empty(0, dtype=src.dtype).set_(off.untyped_storage(), 0, src.shape).copy_(src)
     storage.write_parts("plain.pt", xser.tensor_parts(plain), durable=False, atomic=False)
     assert (tmp_path / "plain.pt").read_bytes() == expect
     assert copied[0] == len(expect)
 
 
 @pytest.mark.parametrize("fault", ["einval", "short", "full_bounce"])
-def test_an_in_place_write_refused_or_cut_short_still_holds_exactly_the_bytes(tmp_path, opened, monkeypatch, fault):
+def test_an_in_place_write_refused_or_cut_short_still_holds_exactly_the_bytes(tmp_path, direct_ok, opened, monkeypatch,
+                                                                            fault):
     """Header, the held middle and the rest go in one pwritev: refused by the device (EINVAL: written buffered),
     written short by the kernel (the rest continues; misaligned, the device refuses it and all is rewritten
     buffered), or after a bounce buffer already filled by a large header (two flushes)."""
@@ -341,7 +353,8 @@ def test_an_in_place_write_refused_or_cut_short_still_holds_exactly_the_bytes(tm
     assert len(calls) == {"einval": 2, "short": 3, "full_bounce": 2}[fault]
 
 
-def test_aligned_buffers_sit_at_their_lead_and_the_pool_places_only_large_ones():
+def test_aligned_buffers_sit_at_their_lead_and_the_pool_places_only_large_ones(monkeypatch):
+    from nxd_ckpt import staging
     from nxd_ckpt.staging import HostBufferPool, aligned_buffer
 
     for lead in (0, 64, 704, 4095, 4096 + 128):
@@ -350,9 +363,24 @@ def test_aligned_buffers_sit_at_their_lead_and_the_pool_places_only_large_ones()
         assert buf.data_ptr() % 4096 == lead % 4096
         buf.fill_(7)
         assert int(buf.sum()) == 7 * (MIB + 1)
+    placed = []
+    monkeypatch.setattr(staging, "aligned_buffer", lambda n, lead: placed.append(n) or aligned_buffer(n, lead))
     pool = HostBufferPool(1 << 30, lead_of=lambda t: 704)
     big, small = pool.empty_like(torch.empty(MIB)), pool.empty_like(torch.empty(MIB // 4 - 1))
     assert big.data_ptr() % 4096 == 704
-    assert small.data_ptr() % 4096 != 704        # torch's allocator: 64-byte aligned
+    assert placed == [4 * MIB]                   # the one under 4 MiB from torch's allocator
     pool.give_back([big, small])
     assert pool.empty_like(torch.empty(MIB)).data_ptr() == big.data_ptr()   # kept and reused as placed
+
+
+def test_a_placed_buffer_the_kernel_refuses_is_allocated_unplaced(monkeypatch):
+    """mmap's ENOMEM (out of mappings or of commit) costs the zero-copy write, never the snapshot."""
+    from nxd_ckpt import staging
+
+    def refused(nbytes, lead):
+        raise OSError(errno.ENOMEM, "Cannot allocate memory")
+
+    monkeypatch.setattr(staging, "aligned_buffer", refused)
+    pool = staging.HostBufferPool(1 << 30, lead_of=lambda t: 704)
+    buf = pool.empty_like(torch.empty(MIB))
+    assert buf.shape == (MIB,) and buf.untyped_storage().nbytes() == 4 * MIB
