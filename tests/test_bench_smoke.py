@@ -246,7 +246,7 @@ def test_ab_train_tiny_run_alternates_what_runs_before_the_training_loop(tmp_pat
     """scripts/ab_train.py: a warm-up of each variant, then rounds in alternating order; each result holds the
     slowdown and the save's own CPU and page faults; released buffers are faulted in again by the next save."""
     out = tmp_path / "ab.json"
-    cmd = [sys.executable, os.path.join(ROOT, "scripts", "ab_train.py"), "--size-gb", "0.02", "--tensors", "8",
+    cmd = [sys.executable, os.path.join(ROOT, "scripts", "ab_train.py"), "--size-gb", "0.02", "--tensors", "32",
            "--rounds", "2", "--variants", "kept,released", "--train-steps", "3", "--train-dim", "64",
            "--dir", str(tmp_path / "d"), "--out", str(out)]
     proc = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, PJRT_DEVICE="CPU"), capture_output=True, text=True,
