@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import mmap
 import os
 import threading
 import time
@@ -26,6 +25,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
+
+from .storage.local import mapped_buffer
 
 log = logging.getLogger("nxd_ckpt")
 
@@ -130,27 +131,17 @@ def no_lease() -> HostLease:
 #: pins them one by one: bf16 + Adam (files of 1-4 MiB) saved 0.1 s slower with a 1 MiB threshold, and the copy
 #: it saves is cheap at that size (README "Levers measured").
 ALIGNED_MIN_BYTES = 4 << 20
-_BLOCK = 4096               # the alignment O_DIRECT wants of memory and file offsets (storage.local._DIRECT_ALIGN)
-_HUGE_PAGE = 2 << 20
 
 
 def aligned_buffer(nbytes: int, lead: int) -> torch.Tensor:
     """A flat uint8 tensor of ``nbytes`` whose first byte sits ``lead`` bytes past a 4 KiB boundary, in an
-    anonymous mapping of its own that asks for transparent huge pages.
+    anonymous mapping of its own that asks for transparent huge pages (``storage.local.mapped_buffer``).
 
     Why: a tensor file is ``lead`` bytes of header, then the data. Placed like this, the data's bytes that the
     file puts on a block boundary are on a page boundary in memory, so an O_DIRECT write takes them from here
     (``storage.local._DirectFileSink``) instead of copying them into a bounce buffer first; in huge pages, the
     kernel pins them 2 MiB at a time. The mapping is unmapped when the tensor is freed."""
-    lead %= _BLOCK
-    mapping = mmap.mmap(-1, nbytes + _HUGE_PAGE + _BLOCK, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    huge = -ctypes.addressof(ctypes.c_char.from_buffer(mapping)) % _HUGE_PAGE
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        try:
-            mapping.madvise(mmap.MADV_HUGEPAGE, huge, nbytes + lead)
-        except OSError:     # a kernel without transparent huge pages: small pages, same placement
-            pass
-    view = memoryview(mapping)[huge + lead:huge + lead + nbytes]
+    _, view, _ = mapped_buffer(nbytes, lead)
     return torch.frombuffer(view, dtype=torch.uint8)     # keeps the view, which keeps the mapping
 
 

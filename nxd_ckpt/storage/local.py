@@ -207,21 +207,30 @@ BOUNCES = _Bounces()
 def _new_bounce() -> Tuple[mmap.mmap, memoryview, int]:
     """A DIRECT_CHUNK buffer, aligned to a huge page and asking for transparent huge pages (HUGE_BOUNCES) where
     the kernel has them: (mapping, the buffer's view, its address). Without them it is still page-aligned."""
-    spare = _HUGE_PAGE if HUGE_BOUNCES and hasattr(mmap, "MADV_HUGEPAGE") else 0
+    return mapped_buffer(DIRECT_CHUNK, 0, HUGE_BOUNCES)
+
+
+def mapped_buffer(nbytes: int, lead: int = 0, huge: bool = True) -> Tuple[mmap.mmap, memoryview, int]:
+    """``nbytes`` of memory in an anonymous mapping of their own, the first byte ``lead`` bytes (modulo 4 KiB) past
+    a page boundary, or past a 2 MiB boundary asking for transparent huge pages when ``huge`` and the kernel has
+    them: (mapping, the bytes' view, their address). The view holds the mapping: unmapped when it goes.
+    Bounce buffers (``lead`` 0) and the snapshot buffers placed for direct writes (``staging.aligned_buffer``)."""
+    lead %= _DIRECT_ALIGN
+    spare = _HUGE_PAGE if huge and hasattr(mmap, "MADV_HUGEPAGE") else 0
     # Private: Python's anonymous mappings are shared by default, i.e. shmem, and shared with forked children.
     # The spare bytes are address space only: never touched, they take no memory.
-    buf = mmap.mmap(-1, DIRECT_CHUNK + spare, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    buf = mmap.mmap(-1, nbytes + spare + lead, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     start = ctypes.addressof(ctypes.c_char.from_buffer(buf))
     at = (-start) % _HUGE_PAGE if spare else 0
     if spare:
         try:
-            buf.madvise(mmap.MADV_HUGEPAGE, at, DIRECT_CHUNK)
+            buf.madvise(mmap.MADV_HUGEPAGE, at, nbytes + lead)
         except OSError:     # a kernel built without transparent huge pages: small pages, same bytes
             pass
     whole = memoryview(buf)
-    view = whole[at:at + DIRECT_CHUNK]
+    view = whole[at + lead:at + lead + nbytes]
     whole.release()         # the slice holds the mapping; releasing it alone lets the mapping close
-    return buf, view, start + at
+    return buf, view, start + at + lead
 
 
 class _DirectFileSink(_FileSink):
@@ -299,19 +308,20 @@ class _DirectFileSink(_FileSink):
         """Write the bounce buffer at its file offset (with the middle held by ``_write_in_place`` between its
         first ``_split`` bytes and the rest): directly, padded to the block size (cut at the end), or buffered
         once the filesystem has refused that."""
-        view, split, middle = self._bounce[1], self._split, self._middle
-        pieces = [view[:split], middle, view[split:self._fill]] if middle is not None else [view[:self._fill]]
+        view, middle = self._bounce[1], self._middle
+        held = [view[:self._split], middle] if middle is not None else []
+        rest = self._split if middle is not None else 0      # where the bounce bytes after the held ones start
         if self.direct:
             padded = -(-self._fill // _DIRECT_ALIGN) * _DIRECT_ALIGN
             try:
-                _pwritev_all(self._fd, pieces[:-1] + [view[split if middle is not None else 0:padded]], self._offset)
+                _pwritev_all(self._fd, held + [view[rest:padded]], self._offset)
             except OSError as exc:
                 if exc.errno != errno.EINVAL:
                     raise
                 self.direct = False     # a device that wants another alignment: buffered from here on
                 _set_direct(self._fd, False)
         if not self.direct:
-            _pwritev_all(self._fd, pieces, self._offset)
+            _pwritev_all(self._fd, held + [view[rest:self._fill]], self._offset)
         self._offset += self._fill + (len(middle) if middle is not None else 0)
         self._fill, self._split, self._middle = 0, 0, None
 
@@ -430,8 +440,9 @@ def _copy(dst: memoryview, dst_addr: int, at: int, src: memoryview) -> None:
     """``src`` into ``dst`` at ``at``: a large writable source by ``memmove`` with the GIL released (the
     training thread runs meanwhile), the rest by a slice copy."""
     n = len(src)
-    if n >= _COPY_NOGIL_BYTES and not src.readonly:
-        ctypes.memmove(dst_addr + at, ctypes.addressof(ctypes.c_char.from_buffer(src)), n)
+    src_addr = _address(src) if n >= _COPY_NOGIL_BYTES else None
+    if src_addr is not None:
+        ctypes.memmove(dst_addr + at, src_addr, n)
     else:
         dst[at:at + n] = src
 
