@@ -26,7 +26,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
-from .storage.local import mapped_buffer
+from .storage.local import DIRECT_MIN_BYTES, PlacedSlabs, discard_pages
 
 log = logging.getLogger("nxd_ckpt")
 
@@ -125,24 +125,10 @@ def no_lease() -> HostLease:
     return HostLease(None, 0)
 
 
-#: Pool buffers of at least this many bytes are mapped on their own (``aligned_buffer``): placed so that a local
-#: file's direct writes send them to the disk from where they are, without the copy into a bounce buffer. Not
-#: smaller ones: only whole 2 MiB pages inside a buffer can be huge pages, and a direct write from small pages
-#: pins them one by one: bf16 + Adam (files of 1-4 MiB) saved 0.1 s slower with a 1 MiB threshold, and the copy
-#: it saves is cheap at that size (README "Levers measured").
-ALIGNED_MIN_BYTES = 4 << 20
-
-
-def aligned_buffer(nbytes: int, lead: int) -> torch.Tensor:
-    """A flat uint8 tensor of ``nbytes`` whose first byte sits ``lead`` bytes past a 4 KiB boundary, in an
-    anonymous mapping of its own that asks for transparent huge pages (``storage.local.mapped_buffer``).
-
-    Why: a tensor file is ``lead`` bytes of header, then the data. Placed like this, the data's bytes that the
-    file puts on a block boundary are on a page boundary in memory, so an O_DIRECT write takes them from here
-    (``storage.local._DirectFileSink``) instead of copying them into a bounce buffer first; in huge pages, the
-    kernel pins them 2 MiB at a time. The mapping is unmapped when the tensor is freed."""
-    _, view, _ = mapped_buffer(nbytes, lead)
-    return torch.frombuffer(view, dtype=torch.uint8)     # keeps the view, which keeps the mapping
+#: Pool buffers of at least this many bytes (the files ``storage.local`` writes directly) are cut from huge-page
+#: slabs (``storage.local.PlacedSlabs``), placed so that a local file's direct writes send them to the disk from
+#: where they are, without the copy into a bounce buffer (README "Levers measured").
+ALIGNED_MIN_BYTES = DIRECT_MIN_BYTES
 
 
 class HostBufferPool:
@@ -160,8 +146,11 @@ class HostBufferPool:
     def __init__(self, capacity: int, keep: bool = True, lead_of: Optional[Callable[[torch.Tensor], int]] = None):
         self.capacity = int(capacity)
         self.keep = keep
-        #: bytes that precede a tensor's data in the file it is written to (``aligned_buffer``); None: unknown
+        #: bytes that precede a tensor's data in the file it is written to (where its buffer is placed in a
+        #: slab); None: unknown, no buffer is placed
         self.lead_of = lead_of
+        self._slabs = PlacedSlabs()
+        self._placed: set = set()                   # data_ptr of every pooled buffer cut from a slab
         self._free: Dict[int, List[torch.Tensor]] = {}
         self._lent: Dict[int, torch.Tensor] = {}    # storage data_ptr -> its pooled buffer
         self._held = 0                              # bytes of pooled buffers, free and lent
@@ -194,30 +183,43 @@ class HostBufferPool:
                 self.reused += 1
             else:
                 self._make_room(nbytes)
-                buf = self._allocate(nbytes, like)
+                pooled = self._held + nbytes <= self.capacity
+                buf = self._allocate(nbytes, like, placed=pooled)
                 self.allocated += 1
-                if self._held + nbytes > self.capacity:
+                if not pooled:
                     return buf                      # lent unpooled: not tracked, freed after its write
                 self._held += nbytes
             self._lent[buf.data_ptr()] = buf
             return buf
 
-    def _allocate(self, nbytes: int, like: torch.Tensor) -> torch.Tensor:
-        lead = self.lead_of(like) if self.lead_of is not None and nbytes >= ALIGNED_MIN_BYTES else None
-        if lead is not None:
+    def _allocate(self, nbytes: int, like: torch.Tensor, placed: bool) -> torch.Tensor:
+        """A new buffer; ``placed``: cut from a slab at ``like``'s file lead, if large enough to be written
+        directly. Only pooled buffers are: the pool gives a dropped one's pages back (``_forget``), while a slab
+        buffer merely freed would keep its memory for as long as a neighbour lives."""
+        if placed and self.lead_of is not None and nbytes >= ALIGNED_MIN_BYTES:
             try:
-                return aligned_buffer(nbytes, lead)
+                buf = torch.frombuffer(self._slabs.cut(nbytes, self.lead_of(like)), dtype=torch.uint8)
             except OSError as exc:  # out of mappings (vm.max_map_count) or of commit: an ordinary buffer will do
                 log.debug("nxd_ckpt: placed host buffer of %d bytes refused (%s); allocating it unplaced", nbytes, exc)
+            else:
+                self._placed.add(buf.data_ptr())
+                return buf
         return torch.empty(nbytes, dtype=torch.uint8, device="cpu")     # host memory whatever the default
+
+    def _forget(self, buf: torch.Tensor) -> None:
+        """``buf`` leaves the pool, nobody using it: a slab buffer's pages go back to the OS now."""
+        self._held -= buf.numel()
+        ptr = buf.data_ptr()
+        if ptr in self._placed:
+            self._placed.discard(ptr)
+            discard_pages(ptr, buf.numel())
 
     def _make_room(self, nbytes: int) -> None:
         """Drop free buffers (largest sizes first) until ``nbytes`` more fit in the capacity."""
         for size in sorted(self._free, reverse=True):
             bufs = self._free[size]
             while bufs and self._held + nbytes > self.capacity:
-                bufs.pop()
-                self._held -= size
+                self._forget(bufs.pop())
             if not bufs:
                 del self._free[size]
 
@@ -234,7 +236,7 @@ class HostBufferPool:
                     self._free.setdefault(buf.numel(), []).append(buf)
                 else:
                     self._dropped.discard(ptr)
-                    self._held -= buf.numel()
+                    self._forget(buf)
 
     def give_back_one(self, tensor: torch.Tensor) -> None:
         """:meth:`give_back` of one tensor."""
@@ -249,11 +251,12 @@ class HostBufferPool:
         """Drop every free buffer now, and every buffer lent now when it comes back (saves in flight); the
         bytes dropped now. Later snapshots fill the pool again (if ``keep``)."""
         with self._lock:
-            dropped = sum(size * len(bufs) for size, bufs in self._free.items())
+            free = [buf for bufs in self._free.values() for buf in bufs]
             self._free.clear()
-            self._held -= dropped
+            for buf in free:
+                self._forget(buf)
             self._dropped.update(self._lent)
-            return dropped
+            return sum(buf.numel() for buf in free)
 
 
 def copy_to_host(tensors: Sequence[torch.Tensor], pool: Optional[HostBufferPool] = None) -> List[torch.Tensor]:

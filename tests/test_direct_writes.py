@@ -279,6 +279,11 @@ def test_a_kernel_without_huge_pages_gets_a_bounce_buffer_of_small_pages(tmp_pat
 
 
 # ---- snapshot buffers written from where they are ---------------------------------------------------------
+def _placed(nbytes, lead):
+    """A uint8 tensor of ``nbytes`` cut from a slab of its own at ``lead`` (as the snapshot pool places one)."""
+    return torch.frombuffer(local.PlacedSlabs().cut(nbytes, lead), dtype=torch.uint8)
+
+
 def _copied(monkeypatch):
     """Bytes that went through the bounce buffer (local._copy), counted."""
     count = [0]
@@ -295,10 +300,10 @@ def _copied(monkeypatch):
 @pytest.mark.parametrize("shape", [(1024, 1024), (3001, 777), (1_048_577,)])
 def test_a_pool_buffer_placed_for_its_file_is_written_without_the_bounce_copy(tmp_path, direct_ok, opened,
                                                                             monkeypatch, shape):
-    """A snapshot buffer (aligned_buffer at its file's lead) goes to the disk from where it is: only the header,
+    """A snapshot buffer (placed at its file's lead) goes to the disk from where it is: only the header,
     the data's first and last partial blocks and the trailer are copied; the file is byte for byte what torch's
     writer makes. The same tensor placed 64 bytes off goes through the bounce buffer."""
-    from nxd_ckpt.staging import HostBufferPool, aligned_buffer
+    from nxd_ckpt.staging import HostBufferPool
     from nxd_ckpt.writepool import tensor_file_lead
 
     src = torch.randn(shape)
@@ -313,7 +318,7 @@ def test_a_pool_buffer_placed_for_its_file_is_written_without_the_bounce_copy(tm
     assert opened["placed.pt"] & os.O_DIRECT
     assert copied[0] < len(expect) - src.nbytes + 2 * 4096
     copied[0] = 0
-    off = aligned_buffer(src.nbytes, tensor_file_lead(src) + 64)
+    off = _placed(src.nbytes, tensor_file_lead(src) + 64)
     plain = torch.empty(0, dtype=src.dtype).set_(off.untyped_storage(), 0, src.shape).copy_(src)
     storage.write_parts("plain.pt", xser.tensor_parts(plain), durable=False, atomic=False)
     assert (tmp_path / "plain.pt").read_bytes() == expect
@@ -326,10 +331,8 @@ def test_an_in_place_write_refused_or_cut_short_still_holds_exactly_the_bytes(tm
     """Header, the held middle and the rest go in one pwritev: refused by the device (EINVAL: written buffered),
     written short by the kernel (the rest continues; misaligned, the device refuses it and all is rewritten
     buffered), or after a bounce buffer already filled by a large header (two flushes)."""
-    from nxd_ckpt.staging import aligned_buffer
-
     lead = DIRECT_CHUNK + 704 if fault == "full_bounce" else 704
-    data = aligned_buffer(3 * MIB + 123, lead)
+    data = _placed(3 * MIB + 123, lead)
     data.copy_(torch.randint(0, 256, (3 * MIB + 123,), dtype=torch.uint8))
     real_pwritev, calls = os.pwritev, []
 
@@ -353,34 +356,70 @@ def test_an_in_place_write_refused_or_cut_short_still_holds_exactly_the_bytes(tm
     assert len(calls) == {"einval": 2, "short": 3, "full_bounce": 2}[fault]
 
 
-def test_aligned_buffers_sit_at_their_lead_and_the_pool_places_only_large_ones(monkeypatch):
-    from nxd_ckpt import staging
-    from nxd_ckpt.staging import HostBufferPool, aligned_buffer
+def test_slab_buffers_sit_at_their_lead_in_huge_page_slabs_and_never_overlap():
+    slabs = local.PlacedSlabs(slab_bytes=8 * MIB)
+    sizes = [(MIB + 1, 0), (3 * MIB, 64), (MIB, 704), (2 * MIB + 5, 4095), (20 * MIB, 4096 + 128), (MIB, 704)]
+    bufs = []
+    for i, (n, lead) in enumerate(sizes):
+        buf = torch.frombuffer(slabs.cut(n, lead), dtype=torch.uint8)
+        assert buf.numel() == n and buf.data_ptr() % 4096 == lead % 4096
+        buf.fill_(i + 1)
+        bufs.append(buf)
+    for i, buf in enumerate(bufs):                  # no buffer was written over by another
+        assert int(buf.min()) == int(buf.max()) == i + 1
+    starts = sorted((b.data_ptr(), b.numel()) for b in bufs)
+    assert all(a + n <= b for (a, n), (b, _) in zip(starts, starts[1:]))
+    first = bufs[0].data_ptr()
+    assert first % (2 * MIB) == 0                   # a slab starts on a huge page (lead 0)
+    assert bufs[1].data_ptr() - first < MIB + 1 + 4096 + 64     # the next is cut right after it
+    assert bufs[4].data_ptr() % (2 * MIB) == 128    # larger than a slab: one of its own, at its lead
 
-    for lead in (0, 64, 704, 4095, 4096 + 128):
-        buf = aligned_buffer(MIB + 1, lead)
-        assert buf.numel() == MIB + 1 and buf.dtype == torch.uint8
-        assert buf.data_ptr() % 4096 == lead % 4096
-        buf.fill_(7)
-        assert int(buf.sum()) == 7 * (MIB + 1)
-    placed = []
-    monkeypatch.setattr(staging, "aligned_buffer", lambda n, lead: placed.append(n) or aligned_buffer(n, lead))
-    pool = HostBufferPool(1 << 30, lead_of=lambda t: 704)
+
+def test_discarded_pages_of_one_slab_buffer_read_as_zeros_and_spare_its_neighbours():
+    slabs = local.PlacedSlabs()
+    a, b, c = (torch.frombuffer(slabs.cut(3 * MIB + 100, 704), dtype=torch.uint8) for _ in range(3))
+    for t in (a, b, c):
+        t.fill_(9)
+    local.discard_pages(b.data_ptr(), b.numel())
+    inner = -b.data_ptr() % 4096
+    whole = (b.numel() - inner) // 4096 * 4096
+    assert int(b[inner:inner + whole].max()) == 0                  # its whole pages went back to the OS
+    assert int(b[:inner].min()) == int(b[inner + whole:].min()) == 9     # the pages it shares did not
+    assert int(a.min()) == int(c.min()) == 9
+
+
+def test_the_pool_places_only_large_pooled_buffers_and_gives_a_dropped_ones_pages_back(monkeypatch):
+    from nxd_ckpt import staging
+    from nxd_ckpt.staging import HostBufferPool
+
+    discarded = []
+    monkeypatch.setattr(staging, "discard_pages", lambda addr, n: discarded.append((addr, n)))
+    pool = HostBufferPool(8 * MIB, lead_of=lambda t: 704)
     big, small = pool.empty_like(torch.empty(MIB)), pool.empty_like(torch.empty(MIB // 4 - 1))
-    assert big.data_ptr() % 4096 == 704
-    assert placed == [4 * MIB]                   # the one under 4 MiB from torch's allocator
+    assert big.data_ptr() % 4096 == 704 and small.data_ptr() % 4096 != 704
     pool.give_back([big, small])
-    assert pool.empty_like(torch.empty(MIB)).data_ptr() == big.data_ptr()   # kept and reused as placed
+    again = pool.empty_like(torch.empty(MIB))
+    assert again.data_ptr() == big.data_ptr()       # kept and reused as placed
+    over = pool.empty_like(torch.empty(2 * MIB))    # past the capacity: lent unpooled, from torch's allocator
+    assert over.data_ptr() % 4096 != 704
+    pool.give_back([again, over])
+    assert discarded == []
+    pool.release()                                  # the placed buffer leaves the pool: its pages go back
+    assert discarded == [(big.data_ptr(), 4 * MIB)]
+    pool.keep = False
+    lent = pool.empty_like(torch.empty(MIB + 1))
+    pool.give_back([lent])                          # not kept: dropped as soon as it is written
+    assert discarded[-1] == (lent.data_ptr(), 4 * MIB + 4)
 
 
 def test_a_placed_buffer_the_kernel_refuses_is_allocated_unplaced(monkeypatch):
     """mmap's ENOMEM (out of mappings or of commit) costs the zero-copy write, never the snapshot."""
     from nxd_ckpt import staging
 
-    def refused(nbytes, lead):
+    def refused(self, nbytes, lead):
         raise OSError(errno.ENOMEM, "Cannot allocate memory")
 
-    monkeypatch.setattr(staging, "aligned_buffer", refused)
+    monkeypatch.setattr(local.PlacedSlabs, "cut", refused)
     pool = staging.HostBufferPool(1 << 30, lead_of=lambda t: 704)
     buf = pool.empty_like(torch.empty(MIB))
     assert buf.shape == (MIB,) and buf.untyped_storage().nbytes() == 4 * MIB

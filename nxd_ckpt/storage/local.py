@@ -207,30 +207,79 @@ BOUNCES = _Bounces()
 def _new_bounce() -> Tuple[mmap.mmap, memoryview, int]:
     """A DIRECT_CHUNK buffer, aligned to a huge page and asking for transparent huge pages (HUGE_BOUNCES) where
     the kernel has them: (mapping, the buffer's view, its address). Without them it is still page-aligned."""
-    return mapped_buffer(DIRECT_CHUNK, 0, HUGE_BOUNCES)
+    return mapped_buffer(DIRECT_CHUNK, HUGE_BOUNCES)
 
 
-def mapped_buffer(nbytes: int, lead: int = 0, huge: bool = True) -> Tuple[mmap.mmap, memoryview, int]:
-    """``nbytes`` of memory in an anonymous mapping of their own, the first byte ``lead`` bytes (modulo 4 KiB) past
-    a page boundary, or past a 2 MiB boundary asking for transparent huge pages when ``huge`` and the kernel has
-    them: (mapping, the bytes' view, their address). The view holds the mapping: unmapped when it goes.
-    Bounce buffers (``lead`` 0) and the snapshot buffers placed for direct writes (``staging.aligned_buffer``)."""
-    lead %= _DIRECT_ALIGN
+def mapped_buffer(nbytes: int, huge: bool = True) -> Tuple[mmap.mmap, memoryview, int]:
+    """``nbytes`` of memory in an anonymous mapping of their own, page-aligned, or aligned to 2 MiB and asking for
+    transparent huge pages when ``huge`` and the kernel has them: (mapping, the bytes' view, their address). The
+    view holds the mapping: unmapped when it goes. Bounce buffers, and the slabs of ``PlacedSlabs``."""
     spare = _HUGE_PAGE if huge and hasattr(mmap, "MADV_HUGEPAGE") else 0
     # Private: Python's anonymous mappings are shared by default, i.e. shmem, and shared with forked children.
     # The spare bytes are address space only: never touched, they take no memory.
-    buf = mmap.mmap(-1, nbytes + spare + lead, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    buf = mmap.mmap(-1, nbytes + spare, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     start = ctypes.addressof(ctypes.c_char.from_buffer(buf))
     at = (-start) % _HUGE_PAGE if spare else 0
     if spare:
         try:
-            buf.madvise(mmap.MADV_HUGEPAGE, at, nbytes + lead)
+            buf.madvise(mmap.MADV_HUGEPAGE, at, nbytes)
         except OSError:     # a kernel built without transparent huge pages: small pages, same bytes
             pass
     whole = memoryview(buf)
-    view = whole[at + lead:at + lead + nbytes]
+    view = whole[at:at + nbytes]
     whole.release()         # the slice holds the mapping; releasing it alone lets the mapping close
-    return buf, view, start + at + lead
+    return buf, view, start + at
+
+
+#: Bytes of each mapping that ``PlacedSlabs`` cuts snapshot buffers from (a larger buffer gets one of its own).
+SLAB_BYTES = 64 << 20
+
+
+class PlacedSlabs:
+    """Buffers cut one after another from anonymous mappings in transparent huge pages (``mapped_buffer``), each
+    buffer's first byte ``lead`` bytes (modulo 4 KiB) past a page boundary: the snapshot buffers that direct
+    writes send to the disk from where they are (``staging.HostBufferPool``).
+
+    Why slabs: a huge page backs only a whole, aligned 2 MiB of a mapping, so a buffer of 1-4 MiB mapped on its
+    own is mostly small pages, which a direct write pins one by one (or, rounded up to whole huge pages, wastes a
+    quarter to a half of its memory). Cut from a slab, every buffer is in huge pages and wastes under 4 KiB.
+    A slab is unmapped when the last buffer cut from it is freed; ``discard_pages`` gives one buffer's memory
+    back while its neighbours live on. Not thread-safe: the caller serializes ``cut``."""
+
+    def __init__(self, slab_bytes: int = SLAB_BYTES):
+        self.slab_bytes = slab_bytes
+        self._view: Optional[memoryview] = None
+        self._addr = 0          # address of the current slab's first byte
+        self._used = 0          # bytes of it cut so far
+
+    def cut(self, nbytes: int, lead: int) -> memoryview:
+        """A writable view of ``nbytes`` whose first byte sits ``lead`` (mod 4 KiB) past a page boundary; it
+        keeps its slab mapped. Raises OSError when the kernel refuses a new mapping (ENOMEM)."""
+        skip = (lead - self._addr - self._used) % _DIRECT_ALIGN
+        if self._view is None or self._used + skip + nbytes > len(self._view):
+            size = max(self.slab_bytes, -(-(nbytes + _DIRECT_ALIGN) // _HUGE_PAGE) * _HUGE_PAGE)
+            _, self._view, self._addr = mapped_buffer(size)
+            self._used, skip = 0, lead % _DIRECT_ALIGN
+        start = self._used + skip
+        self._used = start + nbytes
+        return self._view[start:start + nbytes]
+
+
+_libc_madvise = None
+
+
+def discard_pages(address: int, nbytes: int) -> None:
+    """Give the whole pages inside ``[address, address + nbytes)`` back to the OS (``MADV_DONTNEED``; a no-op
+    where there is none). Only for memory nobody reads again: a private anonymous page reads as zeros after."""
+    global _libc_madvise
+    start = -(-address // mmap.PAGESIZE) * mmap.PAGESIZE
+    end = (address + nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
+    if end <= start or not hasattr(mmap, "MADV_DONTNEED"):
+        return
+    if _libc_madvise is None:
+        _libc_madvise = ctypes.CDLL(None, use_errno=True).madvise
+        _libc_madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    _libc_madvise(start, end - start, mmap.MADV_DONTNEED)
 
 
 class _DirectFileSink(_FileSink):
@@ -280,7 +329,7 @@ class _DirectFileSink(_FileSink):
         head goes into the bounce buffer up to a block boundary of the file, the middle is held, and what follows
         (the rest of ``view``, the trailer) goes into the bounce buffer after the head, so that the next flush
         writes all three with one ``pwritev``. Possible when the bytes that fall on a block boundary of the file
-        sit on one in memory (``staging.aligned_buffer`` places a snapshot's buffers so), once per file; False,
+        sit on one in memory (``PlacedSlabs`` places a snapshot's buffers so), once per file; False,
         nothing written, otherwise."""
         addr = _address(view)
         head = -(self._offset + self._fill) % _DIRECT_ALIGN
