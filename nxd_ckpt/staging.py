@@ -196,9 +196,10 @@ class HostBufferPool:
         """A new buffer; ``placed``: cut from a slab at ``like``'s file lead, if large enough to be written
         directly. Only pooled buffers are: the pool gives a dropped one's pages back (``_forget``), while a slab
         buffer merely freed would keep its memory for as long as a neighbour lives."""
-        if placed and self.lead_of is not None and nbytes >= ALIGNED_MIN_BYTES:
+        lead = self.lead_of(like) if placed and self.lead_of is not None and nbytes >= ALIGNED_MIN_BYTES else None
+        if lead is not None:    # None also from lead_of: a file torch's own writer makes (float8, 1 GiB and more)
             try:
-                buf = torch.frombuffer(self._slabs.cut(nbytes, self.lead_of(like)), dtype=torch.uint8)
+                buf = torch.frombuffer(self._slabs.cut(nbytes, lead), dtype=torch.uint8)
             except OSError as exc:  # out of mappings (vm.max_map_count) or of commit: an ordinary buffer will do
                 log.debug("nxd_ckpt: placed host buffer of %d bytes refused (%s); allocating it unplaced", nbytes, exc)
             else:
@@ -256,6 +257,7 @@ class HostBufferPool:
             for buf in free:
                 self._forget(buf)
             self._dropped.update(self._lent)
+            self._slabs = PlacedSlabs()     # the current slab too is unmapped once its last buffer is freed
             return sum(buf.numel() for buf in free)
 
 
@@ -316,17 +318,17 @@ def _xla_to_host(tensors: List[torch.Tensor], pool: Optional[HostBufferPool]) ->
         # no PJRT buffer yet, and torch-xla's DLPack export then aborts the process (a failed CHECK, not an
         # exception): wait until the device has finished everything queued.
         xlac._xla_wait_device_ops(devices=[])
-        try:
-            for i in direct:
-                out[i] = _dlpack_copy(xlac, tensors[i], pool)
-        except BaseException:
-            if pool is not None:
-                pool.give_back([t for t in out if t is not None])
-            raise
-    rest = [i for i, t in enumerate(out) if t is None]
-    if rest:
-        for i, host in zip(rest, _xla_to_cpu([tensors[i] for i in rest])):
-            out[i] = host
+    try:
+        for i in direct:
+            out[i] = _dlpack_copy(xlac, tensors[i], pool)
+        rest = [i for i, t in enumerate(out) if t is None]
+        if rest:
+            for i, host in zip(rest, _xla_to_cpu([tensors[i] for i in rest])):
+                out[i] = host
+    except BaseException:   # the pool's buffers copied into so far go back (the others are torch-xla's)
+        if pool is not None:
+            pool.give_back([t for t in out if t is not None])
+        raise
     return out  # type: ignore[return-value]
 
 

@@ -423,3 +423,59 @@ def test_a_placed_buffer_the_kernel_refuses_is_allocated_unplaced(monkeypatch):
     pool = staging.HostBufferPool(1 << 30, lead_of=lambda t: 704)
     buf = pool.empty_like(torch.empty(MIB))
     assert buf.shape == (MIB,) and buf.untyped_storage().nbytes() == 4 * MIB
+
+
+def test_a_tensor_whose_file_torchs_writer_makes_gets_an_unplaced_buffer():
+    """tensor_file_lead is None for what xser's own container does not write (float8 here): such a tensor of
+    1 MiB or more is copied into an ordinary buffer, and a save of it works."""
+    from nxd_ckpt.staging import HostBufferPool, copy_to_host
+    from nxd_ckpt.writepool import tensor_file_lead
+
+    src = torch.randn(MIB).to(torch.float8_e4m3fn)
+    assert tensor_file_lead(src) is None
+    pool = HostBufferPool(1 << 30, lead_of=tensor_file_lead)
+    (host,) = copy_to_host([src], pool)
+    assert torch.equal(host.view(torch.uint8), src.view(torch.uint8))
+    assert not pool._placed
+
+
+def _vma_flags(address):
+    """The VmFlags of the mapping of this process that holds ``address`` (/proc/self/smaps)."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and all(c in "0123456789abcdef-" for c in head):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= address < hi
+            elif inside and line.startswith("VmFlags:"):
+                return line.split()[1:]
+    return None
+
+
+@pytest.mark.skipif(not hasattr(local.mmap, "MADV_NOHUGEPAGE") or not os.path.exists("/proc/self/smaps"),
+                    reason="Linux transparent huge pages")
+def test_a_discarded_buffer_s_huge_page_regions_stop_asking_for_huge_pages():
+    """Else khugepaged, which rebuilds a huge page around any page still present, would fault the dropped pages
+    back in next to a live neighbour."""
+    slabs = local.PlacedSlabs(slab_bytes=16 * MIB)
+    a, b, c = (torch.frombuffer(slabs.cut(3 * MIB + 100, 704), dtype=torch.uint8) for _ in range(3))
+    local.discard_pages(b.data_ptr(), b.numel())
+    assert "nh" in _vma_flags(b.data_ptr() + MIB)
+    assert "hg" in _vma_flags(a.data_ptr()) and "nh" not in _vma_flags(a.data_ptr())    # 2 MiB away from b
+
+
+def test_release_unmaps_the_slabs_once_their_buffers_are_freed():
+    import gc
+
+    from nxd_ckpt.staging import HostBufferPool
+
+    pool = HostBufferPool(1 << 30, lead_of=lambda t: 704)
+    buf = pool.empty_like(torch.empty(MIB))
+    address = buf.data_ptr()
+    pool.give_back([buf])
+    del buf
+    assert _vma_flags(address) is not None
+    pool.release()
+    gc.collect()
+    assert _vma_flags(address) is None          # the current slab too: nothing holds it any more

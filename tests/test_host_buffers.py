@@ -200,3 +200,22 @@ def test_an_spmd_sharded_tensor_takes_the_batched_transfer():
     done = subprocess.run([sys.executable, "-c", _SPMD_SNAPSHOT], env=env, capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0 and "SNAPSHOT-OK" in done.stdout, done.stderr[-2000:]
+
+
+def test_a_failed_batched_transfer_gives_back_the_buffers_already_copied_into(monkeypatch):
+    """XLA tensors copied through DLPack into pool buffers, then the batched transfer of the rest (float8 has no
+    DLPack equivalent) fails: the pool gets every buffer back, none stays lent."""
+    from nxd_ckpt import staging
+
+    dev = xla_device()
+    tensors = [torch.randn(1 << 18).to(dev), torch.randn(64).to(torch.float8_e4m3fn).to(dev)]
+    sync()
+
+    def refused(ts):
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(staging, "_xla_to_cpu", refused)
+    pool = staging.HostBufferPool(1 << 30)
+    with pytest.raises(RuntimeError, match="device lost"):
+        staging.copy_to_host(tensors, pool)
+    assert pool.allocated == 1 and not pool._lent

@@ -247,7 +247,7 @@ class PlacedSlabs:
     back while its neighbours live on. Not thread-safe: the caller serializes ``cut``."""
 
     def __init__(self, slab_bytes: int = SLAB_BYTES):
-        self.slab_bytes = slab_bytes
+        self.slab_bytes = -(-slab_bytes // _HUGE_PAGE) * _HUGE_PAGE    # whole huge pages (``discard_pages``)
         self._view: Optional[memoryview] = None
         self._addr = 0          # address of the current slab's first byte
         self._used = 0          # bytes of it cut so far
@@ -268,18 +268,30 @@ class PlacedSlabs:
 _libc_madvise = None
 
 
-def discard_pages(address: int, nbytes: int) -> None:
-    """Give the whole pages inside ``[address, address + nbytes)`` back to the OS (``MADV_DONTNEED``; a no-op
-    where there is none). Only for memory nobody reads again: a private anonymous page reads as zeros after."""
+def _madvise(start: int, length: int, advice: int) -> None:
     global _libc_madvise
-    start = -(-address // mmap.PAGESIZE) * mmap.PAGESIZE
-    end = (address + nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
-    if end <= start or not hasattr(mmap, "MADV_DONTNEED"):
-        return
     if _libc_madvise is None:
         _libc_madvise = ctypes.CDLL(None, use_errno=True).madvise
         _libc_madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-    _libc_madvise(start, end - start, mmap.MADV_DONTNEED)
+    _libc_madvise(start, length, advice)     # refused (EINVAL: no such advice here): the pages stay, harmless
+
+
+def discard_pages(address: int, nbytes: int) -> None:
+    """Give the memory of a ``PlacedSlabs`` buffer that nobody reads again back to the OS: its whole pages are
+    dropped (``MADV_DONTNEED``; a private anonymous page reads as zeros after), and the 2 MiB regions it touches
+    stop asking for huge pages (``MADV_NOHUGEPAGE``), else the kernel's khugepaged, which rebuilds a huge page
+    around any page still present (``max_ptes_none``), would fault the dropped pages back in next to a live
+    neighbour. Only for slab buffers: those regions lie inside the buffer's slab. A no-op where there is none."""
+    if not hasattr(mmap, "MADV_DONTNEED"):
+        return
+    start = -(-address // mmap.PAGESIZE) * mmap.PAGESIZE
+    end = (address + nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
+    if end <= start:
+        return
+    if hasattr(mmap, "MADV_NOHUGEPAGE"):
+        first = address // _HUGE_PAGE * _HUGE_PAGE
+        _madvise(first, -(-(address + nbytes) // _HUGE_PAGE) * _HUGE_PAGE - first, mmap.MADV_NOHUGEPAGE)
+    _madvise(start, end - start, mmap.MADV_DONTNEED)
 
 
 class _DirectFileSink(_FileSink):
