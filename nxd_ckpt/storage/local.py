@@ -243,8 +243,9 @@ class PlacedSlabs:
     Why slabs: a huge page backs only a whole, aligned 2 MiB of a mapping, so a buffer of 1-4 MiB mapped on its
     own is mostly small pages, which a direct write pins one by one (or, rounded up to whole huge pages, wastes a
     quarter to a half of its memory). Cut from a slab, every buffer is in huge pages and wastes under 4 KiB.
-    A slab is unmapped when the last buffer cut from it is freed; ``discard_pages`` gives one buffer's memory
-    back while its neighbours live on. Not thread-safe: the caller serializes ``cut``."""
+    A slab is unmapped once the last buffer cut from it is freed and it is no longer the one being cut (a new
+    ``PlacedSlabs`` lets go of the current one); ``discard_pages`` gives one buffer's memory back while its
+    neighbours live on. Not thread-safe: the caller serializes ``cut``."""
 
     def __init__(self, slab_bytes: int = SLAB_BYTES):
         self.slab_bytes = -(-slab_bytes // _HUGE_PAGE) * _HUGE_PAGE    # whole huge pages (``discard_pages``)
