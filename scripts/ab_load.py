@@ -24,6 +24,8 @@ saved once with nxd_ckpt (xser), loaded into a dict of XLA tensors with the page
   did before);
 - ``no_tail_flush``: as ``mapped``, the pipeline's last batch moved to the device after the last read
   (``reader.TAIL_FLUSH = False``, what load_checkpoint did before);
+- ``no_prefetch``: as ``mapped``, groups of small files not prefetched as they are handed out
+  (``reader.PREFETCH_GROUPS = False``, what load_checkpoint did before);
 - ``written_buffered``: as ``mapped``, a second save of the same state written through the page cache
   (``storage.local.DIRECT_WRITES = False``): whether the files' layout on disk from ``O_DIRECT`` writes
   changes the load.
@@ -73,6 +75,7 @@ def main() -> int:
     mapped_default = api.copies_every_tensor
     plain_refs = xser_api.load_plain_refs
     intraop, group_bytes, tail_flush = reader.PIPELINE_INTRAOP_THREADS, reader.GROUP_BYTES, reader.TAIL_FLUSH
+    prefetch = reader.PREFETCH_GROUPS
     directory, read_into = tensorfile._directory, storage_base.Storage.read_into
 
     def probing_read_into(self, relpath, view, offset=0, on_range=None, expect=None):
@@ -83,6 +86,7 @@ def main() -> int:
         reader.PIPELINE_INTRAOP_THREADS = None if variant in ("omp_threads", "before_all") else intraop
         reader.GROUP_BYTES = 0 if variant in ("no_groups", "before_all") else group_bytes
         reader.TAIL_FLUSH = tail_flush and variant not in ("no_tail_flush", "before_all")
+        reader.PREFETCH_GROUPS = prefetch and variant != "no_prefetch"
         if variant.startswith("group"):
             reader.GROUP_BYTES = int(variant[len("group"):]) << 10
         xser_api.load_plain_refs = plain_refs if variant != "torch_refs" else (lambda data: (False, None))
@@ -115,6 +119,7 @@ def main() -> int:
     xser_api.load_plain_refs = plain_refs
     tensorfile._directory, storage_base.Storage.read_into = directory, read_into
     reader.PIPELINE_INTRAOP_THREADS, reader.GROUP_BYTES, reader.TAIL_FLUSH = intraop, group_bytes, tail_flush
+    reader.PREFETCH_GROUPS = prefetch
     shutil.rmtree(args.dir, ignore_errors=True)
     out = {"bytes": nbytes, "tensors": args.tensors, "state": args.state, "rounds": args.rounds, "load1": loads,
            "median": bench.medians(res), "runs": res}

@@ -312,3 +312,85 @@ def test_small_files_are_read_in_groups_and_damage_in_a_group_names_its_file(tmp
         nxd_ckpt.load_checkpoint(root, "a", model=target)
     assert info.value.path == f"a/{SHARD}.tensors/tensor_4.pt"
     assert all(torch.equal(v.cpu(), torch.zeros_like(v.cpu())) for v in target.values()), "nothing applied"
+
+
+def test_groups_of_small_files_are_prefetched_as_they_are_handed_out(monkeypatch):
+    """Each group of more than one file is prefetched (its files, in order) before its read task is handed out;
+    a file alone (1 MiB or more) is not: its read already asks the disk for all of it."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from nxd_ckpt import reader
+
+    events = []
+
+    class Recording(_CountingReader):
+        def prefetch(self, relpaths):
+            events.append(("prefetch", tuple(relpaths)))
+
+        def load_tensor(self, rel):
+            events.append(("read", rel))
+            return super().load_tensor(rel)
+
+    monkeypatch.setattr(reader, "_to_device", lambda batch, targets: dict(batch))
+    monkeypatch.setattr(reader, "read_groups", lambda order, sizes: [(0,), (1, 2, 3), (4,), (5, 6)])
+    jobs = {tid: f"model/x.pt.tensors/tensor_{tid}" for tid in range(7)}
+    with ThreadPoolExecutor(1) as pool:
+        out = reader.read_tensors(Recording(), jobs, pool, 1, targets={t: "dev" for t in jobs})
+    assert sorted(out) == list(range(7))
+    prefetched = [e[1] for e in events if e[0] == "prefetch"]
+    assert prefetched == [tuple(jobs[t] for t in (1, 2, 3)), tuple(jobs[t] for t in (5, 6))]
+    for group in prefetched:      # asked for before the first of its files is read
+        assert events.index(("prefetch", group)) < events.index(("read", group[0]))
+
+    events.clear()
+    monkeypatch.setattr(reader, "PREFETCH_GROUPS", False)
+    with ThreadPoolExecutor(1) as pool:
+        reader.read_tensors(Recording(), jobs, pool, 1, targets={t: "dev" for t in jobs})
+    assert [e for e in events if e[0] == "prefetch"] == []
+
+
+def _cached(path: str) -> bool:
+    """Whether the file's first page is in the page cache, by mincore(2) on a mapping that is never touched (a
+    read, even with RWF_NOWAIT, would start the readahead this test looks for)."""
+    import ctypes
+    import mmap
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        addr = libc.mmap(None, 4096, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        assert addr not in (None, ctypes.c_void_p(-1).value), os.strerror(ctypes.get_errno())
+        vec = ctypes.create_string_buffer(1)
+        try:
+            assert libc.mincore(addr, 4096, vec) == 0, os.strerror(ctypes.get_errno())
+        finally:
+            libc.munmap(addr, 4096)
+        return bool(vec.raw[0] & 1)
+    finally:
+        os.close(fd)
+
+
+def test_local_prefetch_fills_the_page_cache_and_skips_what_it_cannot_open(tmp_path):
+    import time
+
+    from nxd_ckpt.storage.local import LocalStorage
+
+    storage = LocalStorage(str(tmp_path))
+    names = [f"f{i}" for i in range(4)]
+    for name in names:
+        with open(tmp_path / name, "wb") as f:
+            f.write(os.urandom(256 << 10))
+            f.flush()
+            os.fsync(f.fileno())
+            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+    if any(_cached(str(tmp_path / n)) for n in names):
+        pytest.skip("this filesystem keeps the files' pages in memory (tmpfs): nothing to prefetch")
+    storage.prefetch(["missing", *names[:3], "f3/not_a_folder"])     # no error for what cannot be opened
+    deadline = time.monotonic() + 10
+    while not all(_cached(str(tmp_path / n)) for n in names[:3]) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert [_cached(str(tmp_path / n)) for n in names] == [True, True, True, False]
