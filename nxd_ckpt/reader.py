@@ -126,7 +126,8 @@ class FileReader:
         return data
 
     def prefetch(self, relpaths: List[str]) -> None:
-        """Start reading these files ahead (``Storage.prefetch``); returns without waiting."""
+        """Start reading these files of the tag ahead (``Storage.prefetch``: blocks for their opens on a local
+        disk, not for their reads)."""
         self.storage.prefetch([self._full(r) for r in relpaths])
 
     def check_file(self, relpath: str) -> None:
@@ -584,10 +585,11 @@ def read_tensors(reader: FileReader, jobs: Dict[int, str], pool: ThreadPoolExecu
                  batch_bytes: Optional[int] = None) -> Dict[int, torch.Tensor]:
     """The load pipeline of one rank: the tensor files ``jobs`` (tid -> path in the tag), largest first, at most
     ``2 * workers`` tasks in flight on ``pool`` (a task: one file, or a group of small files, ``read_groups``,
-    prefetched on this thread as it is handed out), each file verified (size, CRC32C) on the bytes as read. A tensor whose tid is in ``targets`` (tid -> XLA
-    device) is handed, once read, to a host-to-device transfer of about ``batch_bytes`` that runs on this thread
-    while the reads go on, and its host copy is dropped: the host holds the files in flight plus one batch, not the
-    shard (``batch_bytes`` None: PLACE_BATCH_BYTES). tid -> tensor (on its device, or on the host).
+    prefetched on this thread as it is handed out), each file verified (size, CRC32C) on the bytes as read. A
+    tensor whose tid is in ``targets`` (tid -> XLA device) is handed, once read, to a host-to-device transfer of
+    about ``batch_bytes`` that runs on this thread while the reads go on, and its host copy is dropped: the host
+    holds the files in flight plus one batch, not the shard (``batch_bytes`` None: PLACE_BATCH_BYTES). tid ->
+    tensor (on its device, or on the host).
 
     The first failure (damage, a missing file) stops further reads and is raised naming the file; nothing has
     been changed (what was moved are new device buffers, dropped with the error)."""

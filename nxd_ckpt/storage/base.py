@@ -278,25 +278,9 @@ class Storage(ABC):
             os.close(fd)
 
     def prefetch(self, relpaths: Sequence[str]) -> None:
-        """Ask for these files' bytes ahead of reading them, without waiting: a local file's page cache is filled
-        by the kernel's readahead (``posix_fadvise`` WILLNEED), so that the disk reads several files at once
-        while the caller reads the first. No-op where there are no local files (an object store's reads are
-        ranged GETs issued in parallel already). A file that cannot be opened is left to the read, which names
-        the problem."""
-        for relpath in relpaths:
-            local = self.local_path(relpath)
-            if local is None:
-                return
-            try:
-                fd = os.open(local, os.O_RDONLY | os.O_NONBLOCK)
-            except OSError:
-                continue
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
-            except OSError:
-                pass
-            finally:
-                os.close(fd)
+        """Ask for these files' bytes ahead of reading them, not waiting for the reads. A no-op here (an object
+        store's reads are ranged GETs in parallel already); ``LocalStorage`` starts the kernel's readahead. Never
+        raises: a file that cannot be prefetched is left to its read, which names the problem."""
 
     def blocks(self, relpath: str) -> Iterator[memoryview]:
         """One file's bytes in order, READ_BLOCK at a time, for a streaming pass (checksums): ranged reads here;
