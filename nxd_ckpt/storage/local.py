@@ -789,9 +789,9 @@ def _prefetch_file(path: str) -> None:
     except (OSError, ValueError):
         return
     try:
-        size = os.fstat(fd)
-        if stat.S_ISREG(size.st_mode):
-            for offset in range(0, size.st_size, _PREFETCH_PIECE):
+        st = os.fstat(fd)
+        if stat.S_ISREG(st.st_mode):
+            for offset in range(0, st.st_size, _PREFETCH_PIECE):
                 _FADVISE(fd, offset, _PREFETCH_PIECE, os.POSIX_FADV_WILLNEED)
     except OSError:
         pass
