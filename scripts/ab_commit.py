@@ -12,7 +12,9 @@ against 19); ``smallwriter`` (small files on a local filesystem written by one t
 while the caller is blocked in the snapshot, ``api.HOLD_GC_IN_STALL``: 0 against 1); ``direct`` (large files
 written with O_DIRECT past the page cache, ``storage.local.DIRECT_WRITES``: 0 against 1); ``reserve`` (a direct file's
 blocks reserved in one piece before its first write, ``storage.local.RESERVE_BLOCKS``: 0 against 1); ``huge`` (the
-direct writes' bounce buffers in transparent huge pages, ``storage.local.HUGE_BOUNCES``: 0 against 1).
+direct writes' bounce buffers in transparent huge pages, ``storage.local.HUGE_BOUNCES``: 0 against 1); ``directmin``
+(the smallest file written with O_DIRECT, ``storage.local.DIRECT_MIN_BYTES``: ``--before`` against ``--after`` bytes,
+by default 1 MiB against 4 KiB, i.e. a save's small tensor files written past the page cache too).
 
 Besides the process's CPU (``cpu_s_per_gb``) each round records the whole host's (``host_cpu_s_per_gb``, from
 ``/proc/stat``): the kernel's writeback threads write the page cache's dirty pages on the process's behalf.
@@ -34,7 +36,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import bench  # noqa: E402
 
-LEVERS = ("writeback", "workers", "createlock", "nice", "smallwriter", "gcpause", "direct", "reserve", "huge")
+LEVERS = ("writeback", "workers", "createlock", "nice", "smallwriter", "gcpause", "direct", "reserve", "huge",
+          "directmin")
 _NEVER = 1 << 62
 
 
@@ -66,6 +69,8 @@ def _set_lever(lever: str, after: bool, values: dict, kw: dict) -> None:
         if local.HUGE_BOUNCES != bool(value):
             local.BOUNCES.release()     # the next buffers are made the other way
         local.HUGE_BOUNCES = bool(value)
+    elif lever == "directmin":
+        local.DIRECT_MIN_BYTES = value
 
 
 def main() -> int:
@@ -81,7 +86,8 @@ def main() -> int:
 
     defaults = {"writeback": (_NEVER, local.WRITEBACK_MIN_BYTES), "workers": (args.num_workers, args.num_workers),
                 "createlock": (1, 0), "nice": (10, 19), "smallwriter": (0, 1), "gcpause": (0, 1),
-                "direct": (0, 1), "reserve": (0, 1), "huge": (0, 1)}
+                "direct": (0, 1), "reserve": (0, 1), "huge": (0, 1),
+                "directmin": (local.DIRECT_MIN_BYTES, 4096)}
     values = {"before": defaults[args.lever][0] if args.before is None else args.before,
               "after": defaults[args.lever][1] if args.after is None else args.after}
     model, optim, _ = bench.build_state(int(args.size_gb * 1e9), args.tensors, bench.device(), args.state)
