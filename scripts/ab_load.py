@@ -18,6 +18,8 @@ saved once with nxd_ckpt (xser), loaded into a dict of XLA tensors with the page
 - ``before_all``: ``old_read``, ``omp_threads``, ``no_groups`` and ``no_tail_flush`` together (this session's load
   levers off);
 - ``group<KiB>`` (e.g. ``group4096``): as ``mapped``, small files in groups of that many KiB (``reader.GROUP_BYTES``);
+- ``batch<KiB>`` (e.g. ``batch1``): as ``mapped``, host-to-device batches of that many KiB (``reader.PLACE_BATCH_BYTES``;
+  ``batch1``: one transfer per tensor);
 - ``workers<N>`` (e.g. ``workers2``): as ``mapped``, with ``num_workers=N`` instead of NxD's default 8;
 - ``switch<us>`` (e.g. ``switch500``): as ``mapped``, the GIL's switch interval set to that many microseconds;
 - ``no_groups``: as ``mapped``, one pool task per tensor file (``reader.GROUP_BYTES = 0``, what load_checkpoint
@@ -75,7 +77,7 @@ def main() -> int:
     mapped_default = api.copies_every_tensor
     plain_refs = xser_api.load_plain_refs
     intraop, group_bytes, tail_flush = reader.PIPELINE_INTRAOP_THREADS, reader.GROUP_BYTES, reader.TAIL_FLUSH
-    prefetch = reader.PREFETCH_GROUPS
+    prefetch, place_batch = reader.PREFETCH_GROUPS, reader.PLACE_BATCH_BYTES
     directory, read_into = tensorfile._directory, storage_base.Storage.read_into
 
     def probing_read_into(self, relpath, view, offset=0, on_range=None, expect=None):
@@ -89,6 +91,7 @@ def main() -> int:
         reader.PREFETCH_GROUPS = prefetch and variant != "no_prefetch"
         if variant.startswith("group"):
             reader.GROUP_BYTES = int(variant[len("group"):]) << 10
+        reader.PLACE_BATCH_BYTES = int(variant[len("batch"):]) << 10 if variant.startswith("batch") else place_batch
         xser_api.load_plain_refs = plain_refs if variant != "torch_refs" else (lambda data: (False, None))
         tensorfile._directory = (lambda view: None) if variant in ("no_frames", "old_read", "before_all") else directory
         storage_base.Storage.read_into = probing_read_into if variant in ("eof_probe", "old_read", "before_all") else read_into
@@ -119,7 +122,7 @@ def main() -> int:
     xser_api.load_plain_refs = plain_refs
     tensorfile._directory, storage_base.Storage.read_into = directory, read_into
     reader.PIPELINE_INTRAOP_THREADS, reader.GROUP_BYTES, reader.TAIL_FLUSH = intraop, group_bytes, tail_flush
-    reader.PREFETCH_GROUPS = prefetch
+    reader.PREFETCH_GROUPS, reader.PLACE_BATCH_BYTES = prefetch, place_batch
     shutil.rmtree(args.dir, ignore_errors=True)
     out = {"bytes": nbytes, "tensors": args.tensors, "state": args.state, "rounds": args.rounds, "load1": loads,
            "median": bench.medians(res), "runs": res}
