@@ -30,6 +30,7 @@ from . import hostgroups, layout, plainpipe, rangecheck
 from .errors import CorruptCheckpointError, UnsafeCheckpointError
 from .manifest import FileEntry, Manifest, TensorMeta, info_entry
 from .plan import assign_to_bins
+from .readbuffers import ReadBuffers, read_span
 from .storage import Storage
 from .storage.base import READ_BLOCK, LocalFile, crc_hex
 from .storage.s3 import S3Error
@@ -310,6 +311,35 @@ class FileReader:
             raise self._corrupt(relpath, f"holds a {type(tensor).__name__}, not a tensor (a tensor file holds one "
                                 "torch.save'd tensor)")
         return tensor
+
+    def load_tensor_direct(self, relpath: str, buffers: ReadBuffers) -> Optional[Tuple[torch.Tensor, memoryview]]:
+        """A large tensor file listed in the manifest, read past the page cache (``Storage.read_direct``) into a
+        buffer from ``buffers`` and verified (size, CRC32C): (the tensor, the buffer it views, to give back once
+        nothing reads the tensor again). None when that does not apply (no manifest, a small file, a backend
+        without direct reads, the buffers' cap reached) or the file does not verify: ``load_tensor`` then reads
+        it and names the damage."""
+        entry = self.manifest.files.get(relpath) if self.manifest is not None else None
+        if entry is None or not self.storage.reads_direct(entry.size):
+            return None
+        try:
+            buffer = buffers.take(entry.size)
+        except OSError:         # the kernel refused a new mapping: read as before
+            return None
+        if buffer is None:
+            return None
+        tensor = None
+        try:
+            got = self.storage.read_direct(self._full(relpath), buffer[:read_span(entry.size)])
+            if got == entry.size and crc_hex(_crc32c.crc32c(buffer[:got])) == entry.crc32c:
+                raw, name = torch.frombuffer(buffer[:got], dtype=torch.uint8), self.where(relpath)
+                tensor = self._unpickled(relpath, lambda: xser.load_tensor_in_place(raw, trusted=self.trusted,
+                                                                                    name=name))
+        except OSError:
+            pass        # missing, or direct reads refused: load_tensor's read names what is wrong, or reads it
+        finally:
+            if not isinstance(tensor, torch.Tensor):
+                buffers.give_back(buffer)
+        return (tensor, buffer) if isinstance(tensor, torch.Tensor) else None
 
     def _load_tensor_mapped(self, relpath: str) -> Optional[torch.Tensor]:
         """A large local tensor file memory-mapped: verified in the same pass when the manifest lists it
@@ -599,21 +629,22 @@ def read_tensors(reader: FileReader, jobs: Dict[int, str], pool: ThreadPoolExecu
     sizes = {t: entries[jobs[t]].size if jobs[t] in entries else None for t in jobs}
     order = sorted(jobs, key=lambda t: -(sizes[t] or 0))
     out: Dict[int, torch.Tensor] = {}
-    moving = _Batch(targets, batch_bytes, out)
+    buffers = ReadBuffers() if targets else None       # used where the storage reads direct
+    moving = _Batch(targets, batch_bytes, out, buffers)
     pending: Dict[int, Future] = {}
     groups = read_groups(order, sizes)
     todo = enumerate(groups)
     done_groups = 0
     # Each task reports to this queue: one get per task here, instead of a futures.wait() that locks and
     # unlocks every future in flight per completion (about 18 us of this thread's CPU per file, 0.5 GB / 5,000).
-    finished: "queue.SimpleQueue[Tuple[int, List[Tuple[int, torch.Tensor]], Optional[BaseException]]]" = \
-        queue.SimpleQueue()
+    finished: "queue.SimpleQueue[Tuple[int, List[_Read], Optional[BaseException]]]" = queue.SimpleQueue()
 
     def read(key: int, group: Tuple[int, ...]) -> None:
-        done: List[Tuple[int, torch.Tensor]] = []
+        done: List[_Read] = []
         try:
             for tid in group:
-                done.append((tid, reader.load_tensor(jobs[tid])))
+                direct = reader.load_tensor_direct(jobs[tid], buffers) if tid in targets else None
+                done.append((tid, *direct) if direct else (tid, reader.load_tensor(jobs[tid]), None))
             finished.put((key, done, None))
         except BaseException as exc:  # noqa: BLE001 - raised on the calling thread below
             finished.put((key, done, exc))
@@ -633,9 +664,9 @@ def read_tensors(reader: FileReader, jobs: Dict[int, str], pool: ThreadPoolExecu
             if error is not None:
                 raise error
             submit()
-            for tid, tensor in done:
+            for tid, tensor, buffer in done:
                 if tid in targets:
-                    moving.add(tid, tensor)
+                    moving.add(tid, tensor, buffer)
                 else:
                     out[tid] = tensor
             # Every read handed out: what is in moves while the last reads run, not as one batch after them.
@@ -646,20 +677,32 @@ def read_tensors(reader: FileReader, jobs: Dict[int, str], pool: ThreadPoolExecu
         for fut in pending.values():
             fut.cancel()
         raise
+    finally:
+        if buffers is not None:
+            buffers.close()
     return out
+
+
+# A read of the pipeline: (tid, tensor, the ReadBuffers buffer it views or None).
+_Read = Tuple[int, torch.Tensor, Optional[memoryview]]
 
 
 class _Batch:
     """The pipeline's tensors read and not yet on their devices: moved into ``out`` by one ``_to_device`` call
-    once they reach ``limit`` bytes (and by ``flush``), so the host holds at most about one batch of them."""
+    once they reach ``limit`` bytes (and by ``flush``), so the host holds at most about one batch of them. The
+    direct-read buffers they view go back to ``buffers`` once moved: torch-xla's transfer has copied them."""
 
-    def __init__(self, targets: Dict[int, torch.device], limit: int, out: Dict[int, torch.Tensor]):
-        self.targets, self.limit, self.out = targets, limit, out
+    def __init__(self, targets: Dict[int, torch.device], limit: int, out: Dict[int, torch.Tensor],
+                 buffers: Optional[ReadBuffers] = None):
+        self.targets, self.limit, self.out, self.buffers = targets, limit, out, buffers
         self.items: List[Tuple[int, torch.Tensor]] = []
+        self.viewed: List[memoryview] = []
         self.held = 0
 
-    def add(self, tid: int, tensor: torch.Tensor) -> None:
+    def add(self, tid: int, tensor: torch.Tensor, buffer: Optional[memoryview] = None) -> None:
         self.items.append((tid, tensor))
+        if buffer is not None:
+            self.viewed.append(buffer)
         self.held += tensor.nbytes
         if self.held >= self.limit:
             self.flush()
@@ -667,6 +710,9 @@ class _Batch:
     def flush(self) -> None:
         self.out.update(_to_device(self.items, self.targets))
         self.items, self.held = [], 0
+        for buffer in self.viewed:
+            self.buffers.give_back(buffer)
+        self.viewed = []
 
 
 #: A group of small files is prefetched as it is handed out (``FileReader.prefetch``, on the loading thread): the

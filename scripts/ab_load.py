@@ -28,6 +28,9 @@ saved once with nxd_ckpt (xser), loaded into a dict of XLA tensors with the page
   (``reader.TAIL_FLUSH = False``, what load_checkpoint did before);
 - ``no_prefetch``: as ``mapped``, groups of small files not prefetched as they are handed out
   (``reader.PREFETCH_GROUPS = False``, what load_checkpoint did before);
+- ``no_direct_reads``: as ``mapped``, the large files moved to the device read through the page cache (memory-mapped)
+  instead of with O_DIRECT into reused buffers (``storage.local.DIRECT_READS = False``, what load_checkpoint did
+  before);
 - ``written_buffered``: as ``mapped``, a second save of the same state written through the page cache
   (``storage.local.DIRECT_WRITES = False``): whether the files' layout on disk from ``O_DIRECT`` writes
   changes the load.
@@ -89,6 +92,7 @@ def main() -> int:
         reader.GROUP_BYTES = 0 if variant in ("no_groups", "before_all") else group_bytes
         reader.TAIL_FLUSH = tail_flush and variant not in ("no_tail_flush", "before_all")
         reader.PREFETCH_GROUPS = prefetch and variant != "no_prefetch"
+        local.DIRECT_READS = variant != "no_direct_reads"
         if variant.startswith("group"):
             reader.GROUP_BYTES = int(variant[len("group"):]) << 10
         reader.PLACE_BATCH_BYTES = int(variant[len("batch"):]) << 10 if variant.startswith("batch") else place_batch
@@ -123,6 +127,7 @@ def main() -> int:
     tensorfile._directory, storage_base.Storage.read_into = directory, read_into
     reader.PIPELINE_INTRAOP_THREADS, reader.GROUP_BYTES, reader.TAIL_FLUSH = intraop, group_bytes, tail_flush
     reader.PREFETCH_GROUPS, reader.PLACE_BATCH_BYTES = prefetch, place_batch
+    local.DIRECT_READS = True
     shutil.rmtree(args.dir, ignore_errors=True)
     out = {"bytes": nbytes, "tensors": args.tensors, "state": args.state, "rounds": args.rounds, "load1": loads,
            "median": bench.medians(res), "runs": res}

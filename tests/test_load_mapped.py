@@ -1,5 +1,7 @@
 """Loading large tensor files through a verified memory map (a performance path) loads the same values,
-still catches damage, and is used only when every loaded tensor is copied into the target."""
+still catches damage, and is used only when every loaded tensor is copied into the target. The map is what a file
+gets where the direct read does not apply (a network filesystem, tmpfs, no manifest; test_direct_reads.py): off
+here, so that these tests reach it on any disk."""
 from __future__ import annotations
 
 import os
@@ -8,6 +10,13 @@ import pytest
 import torch
 
 from tiny_models import xla_device
+
+
+@pytest.fixture(autouse=True)
+def _no_direct_reads(monkeypatch):
+    from nxd_ckpt.storage import local
+
+    monkeypatch.setattr(local, "DIRECT_READS", False)
 
 
 def _state(dev):

@@ -346,6 +346,18 @@ class Storage(ABC):
         waits on the network, so small files are written by all the writer threads at once."""
         return False
 
+    def reads_direct(self, size: int) -> bool:
+        """Whether a file of ``size`` bytes is read here fastest past the page cache (``read_direct``): on a disk
+        of this host, for a large file whose bytes go into memory that is reused (the load's ``ReadBuffers``).
+        False here (object stores)."""
+        return False
+
+    def read_direct(self, relpath: str, view: memoryview) -> int:
+        """Fill ``view`` (page-aligned, its length a multiple of 4 KiB) with the file's bytes from its start, past
+        the page cache (O_DIRECT); how many were read (fewer only at the end of the file). Only where
+        ``reads_direct`` said yes. FileNotFoundError."""
+        raise NotImplementedError(f"{type(self).__name__} has no direct reads (reads_direct is False)")
+
     @contextlib.contextmanager
     def open_local(self, relpath: str) -> Iterator[Optional[LocalFile]]:
         """The key's local file held open for the ``with`` block (memory-mapped reads), or None when the

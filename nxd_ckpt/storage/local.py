@@ -147,6 +147,12 @@ class _FileSink(Sink):
 DIRECT_MIN_BYTES = 1 << 20
 #: False: every file is written through the page cache (the A/B lever ``direct`` of scripts/ab_commit.py).
 DIRECT_WRITES = True
+#: False: every file is read through the page cache. True: a large tensor file that the load moves to an XLA device
+#: is read with O_DIRECT into a buffer reused between files (``LocalStorage.reads_direct``, the load's
+#: ``ReadBuffers``): no page-cache pages to allocate, fill and map, no fresh memory to fault and zero. Measured
+#: here (8 threads, 100 files of 10 MB, page cache dropped): 0.15-0.24 against 0.45-0.64 CPU-s/GB for the mapped
+#: read, and sooner (README "Load: the read pipeline").
+DIRECT_READS = True
 #: False: a direct file's blocks are allocated chunk by chunk as written, not reserved first (``_reserve``; the A/B
 #: lever ``reserve`` of scripts/ab_commit.py).
 RESERVE_BLOCKS = True
@@ -546,6 +552,27 @@ class LocalStorage(Storage):
         filesystems (each direct write would wait for a round trip), nor off Linux."""
         return (DIRECT_WRITES and size_hint >= DIRECT_MIN_BYTES and _O_DIRECT != 0
                 and self._filesystem in _DIRECT_FS_TYPES)
+
+    def reads_direct(self, size: int) -> bool:
+        """Whether a file of ``size`` bytes is read with O_DIRECT (``read_direct``): at DIRECT_MIN_BYTES or more,
+        on the filesystems that take direct writes (ext4, xfs, btrfs), off where DIRECT_READS is."""
+        return (DIRECT_READS and size >= DIRECT_MIN_BYTES and _O_DIRECT != 0
+                and self._filesystem in _DIRECT_FS_TYPES)
+
+    def read_direct(self, relpath: str, view: memoryview) -> int:
+        if len(view) % _DIRECT_ALIGN:
+            raise ValueError(f"a direct read takes whole {_DIRECT_ALIGN}-byte blocks, got {len(view)} bytes")
+        fd = os.open(self.path(relpath), os.O_RDONLY | _O_DIRECT | getattr(os, "O_CLOEXEC", 0))
+        try:
+            got = 0
+            while got < len(view):
+                n = os.preadv(fd, [view[got:]], got)
+                got += max(n, 0)
+                if n <= 0 or n % _DIRECT_ALIGN:     # a part block: the end of the file
+                    break
+            return got
+        finally:
+            os.close(fd)
 
     @functools.cached_property
     def _filesystem(self) -> Optional[int]:
