@@ -3,7 +3,8 @@
 saved once with nxd_ckpt (xser), loaded into a dict of XLA tensors with the page cache of its files dropped
 (``posix_fadvise(DONTNEED)`` on them only) before every load:
 
-- ``mapped``: files of 1 MiB and more memory-mapped (``FileReader.mapped``, what load_checkpoint did);
+- ``mapped``: what load_checkpoint does (files of 1 MiB and more moved to the device read with O_DIRECT into reused
+  buffers where the storage reads direct, other files of 1 MiB and more memory-mapped: ``FileReader.mapped``);
 - ``buffered``: every file read into a fresh host buffer (``read_buffer``);
 - ``torch_refs``: as ``mapped``, the ref pickles unpickled by torch's safe loader instead of the restricted C
   unpickler (``xser.pickling.load_plain_refs``, what load_checkpoint did before).
