@@ -218,6 +218,87 @@ def test_a_failure_while_handing_out_files_leaks_no_budget_or_buffers(tmp_path, 
     assert nxd_ckpt.list_checkpoints(root) == ["good"]
 
 
+def _big_and_small_state():
+    """Three 64 KiB matrices, each followed by a 256-byte vector (the snapshot copies them in that order)."""
+    g = torch.Generator().manual_seed(9)
+    state = {}
+    for i in range(3):
+        state[f"big{i}"] = torch.randn(128, 128, generator=g).to(xla_device())
+        state[f"small{i}"] = torch.randn(64, generator=g).to(xla_device())
+    sync()
+    return state
+
+
+def test_large_files_are_written_while_the_rest_is_still_copied(tmp_path, monkeypatch, clean_hook):
+    """The snapshot copies a chunk HANDOUT_BYTES at a time and queues each part's large files at once, so a writer
+    writes the first matrix while the second part is being copied; the small files wait for the whole chunk. The
+    second copy waits for a tensor file to be written: with every file queued after the last copy it times out."""
+    import nxd_ckpt
+    import nxd_ckpt.engine as engine_mod
+
+    monkeypatch.setattr(engine_mod, "HANDOUT_BYTES", 80 << 10)     # parts: (big0, small0), (big1, small1), ...
+    monkeypatch.setattr(engine_mod, "EARLY_MIN_BYTES", 32 << 10)
+    root = str(tmp_path / "ckpt")
+    state = _big_and_small_state()
+    expect = to_cpu_state(state)
+    real_copy, copies, written, first = engine_mod.copy_to_host, [], [], threading.Event()
+
+    def copy(tensors, pool=None):
+        copies.append(len(tensors))
+        if len(copies) == 2:
+            assert first.wait(20), "no tensor file was written before the second part was copied"
+        return real_copy(tensors, pool)
+
+    def hook(rel):
+        if ".tensors/" in rel:
+            written.append((rel.rsplit("/", 1)[1], len(copies)))
+            first.set()
+
+    monkeypatch.setattr(engine_mod, "copy_to_host", copy)
+    clean_hook(hook)
+    # one budget chunk (an earlier test's small budget stays with the process's engine until a save sets another)
+    nxd_ckpt.save_checkpoint(root, "a", model=state, use_xser=True, async_save=True, host_memory_budget=64 << 20)
+    nxd_ckpt.finalize_checkpoint()
+    assert copies == [2, 2, 2]
+    tdir = next(os.path.join(d, n) for d, ns, _ in os.walk(root) for n in ns if n.endswith(".tensors"))
+    big = {n for n in os.listdir(tdir) if os.path.getsize(os.path.join(tdir, n)) > 32 << 10}
+    assert len(big) == 3 and len(written) == 6
+    assert [n for n, _ in written if n not in big] and all(c == 3 for n, c in written if n not in big), written
+    assert min(c for n, c in written if n in big) < 3, written
+    got = {}
+    nxd_ckpt.load_checkpoint(root, "a", model=got, strict=False)
+    assert_bit_equal(expect, got)
+
+
+def test_a_copy_failing_after_large_files_were_handed_out_leaks_nothing(tmp_path, monkeypatch):
+    """The second part's copy fails after the first part's matrix went to the writers and its vector was held
+    back: the save raises the copy's error, the held file's memory and every pool buffer come back, and only
+    the earlier checkpoint is listed."""
+    import nxd_ckpt
+    import nxd_ckpt.engine as engine_mod
+
+    monkeypatch.setattr(engine_mod, "HANDOUT_BYTES", 80 << 10)
+    monkeypatch.setattr(engine_mod, "EARLY_MIN_BYTES", 32 << 10)
+    root = str(tmp_path / "ckpt")
+    state = _big_and_small_state()
+    nxd_ckpt.save_checkpoint(root, "good", model=state, use_xser=True, host_memory_budget=64 << 20)
+    real_copy, copies = engine_mod.copy_to_host, []
+
+    def copy(tensors, pool=None):
+        copies.append(1)
+        if len(copies) == 2:
+            raise RuntimeError("device lost in the second part (injected)")
+        return real_copy(tensors, pool)
+
+    monkeypatch.setattr(engine_mod, "copy_to_host", copy)
+    with pytest.raises(nxd_ckpt.RankFailureError, match="device lost in the second part"):
+        nxd_ckpt.save_checkpoint(root, "bad", model=state, use_xser=True)
+    eng = engine_mod.get_engine()
+    assert eng.budget.used == 0
+    assert eng.buffers._lent == {}
+    assert nxd_ckpt.list_checkpoints(root) == ["good"]
+
+
 # ---- a write error on one rank of four ---------------------------------------------------------------
 def _failing_rank(rank, world, root):
     import nxd_ckpt
