@@ -16,7 +16,9 @@ direct writes' bounce buffers in transparent huge pages, ``storage.local.HUGE_BO
 (the smallest file written with O_DIRECT, ``storage.local.DIRECT_MIN_BYTES``: ``--before`` against ``--after`` bytes,
 by default 1 MiB against 4 KiB, i.e. a save's small tensor files written past the page cache too); ``handout``
 (the bytes the snapshot copies before handing their files to the writers, ``engine.HANDOUT_BYTES``: ``--before``
-against ``--after``, by default one hand-out per budget chunk against 128 MiB).
+against ``--after``, by default one hand-out per budget chunk against 128 MiB); ``earlysync`` (a ``syncfs`` started
+each time the small-file thread has written ``writepool.EARLY_SYNC_BYTES`` more: ``--before`` against ``--after``,
+by default never against 128 MiB).
 
 Besides the process's CPU (``cpu_s_per_gb``) each round records the whole host's (``host_cpu_s_per_gb``, from
 ``/proc/stat``): the kernel's writeback threads write the page cache's dirty pages on the process's behalf.
@@ -39,7 +41,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import bench  # noqa: E402
 
 LEVERS = ("writeback", "workers", "createlock", "nice", "smallwriter", "gcpause", "direct", "reserve", "huge",
-          "directmin", "handout")
+          "directmin", "handout", "earlysync")
 _NEVER = 1 << 62
 
 
@@ -77,6 +79,10 @@ def _set_lever(lever: str, after: bool, values: dict, kw: dict) -> None:
         from nxd_ckpt import engine
 
         engine.HANDOUT_BYTES = value
+    elif lever == "earlysync":
+        from nxd_ckpt import writepool
+
+        writepool.EARLY_SYNC_BYTES = value
 
 
 def main() -> int:
@@ -93,7 +99,8 @@ def main() -> int:
     defaults = {"writeback": (_NEVER, local.WRITEBACK_MIN_BYTES), "workers": (args.num_workers, args.num_workers),
                 "createlock": (1, 0), "nice": (10, 19), "smallwriter": (0, 1), "gcpause": (0, 1),
                 "direct": (0, 1), "reserve": (0, 1), "huge": (0, 1),
-                "directmin": (local.DIRECT_MIN_BYTES, 4096), "handout": (_NEVER, 128 << 20)}
+                "directmin": (local.DIRECT_MIN_BYTES, 4096), "handout": (_NEVER, 128 << 20),
+                "earlysync": (_NEVER, 128 << 20)}
     values = {"before": defaults[args.lever][0] if args.before is None else args.before,
               "after": defaults[args.lever][1] if args.after is None else args.after}
     model, optim, _ = bench.build_state(int(args.size_gb * 1e9), args.tensors, bench.device(), args.state)

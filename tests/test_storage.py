@@ -241,6 +241,42 @@ def test_posix_batch_is_made_durable_by_one_syncfs_on_a_local_filesystem(tmp_pat
     assert sorted(os.listdir(tmp_path / "stage" / "sub")) == ["a", "b", "c"]
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="syncfs is Linux-only")
+def test_start_sync_uses_a_descriptor_of_its_own_and_leaves_errors_to_sync_files(tmp_path, monkeypatch):
+    """The early sync runs ``syncfs`` on a new descriptor of the storage's root, not on the batch's anchor (whose
+    view of writeback errors ``sync_files`` reports), swallows a failure, and the batch's sync still raises it."""
+    from nxd_ckpt.storage import local
+
+    s = LocalStorage(str(tmp_path))
+    s.write_file("stage/a", lambda f: f.write(b"x"), durable=False, atomic=False)
+    if s._anchor._fd is None:
+        pytest.skip("no syncfs anchor on this filesystem")
+    seen = []
+
+    def failing_syncfs(fd):
+        seen.append((fd, os.readlink(f"/proc/self/fd/{fd}")))
+        raise OSError(5, "syncfs: Input/output error (injected)")
+
+    monkeypatch.setattr(local, "_syncfs", failing_syncfs)
+    s.start_sync()
+    assert len(seen) == 1 and seen[0][0] != s._anchor._fd and seen[0][1] == str(tmp_path)
+    with pytest.raises(OSError, match="injected"):
+        s.sync_files(["stage/a"])
+    assert seen[1][1] == str(tmp_path / "stage")          # the anchor, opened before the first byte
+
+
+def test_start_sync_does_nothing_where_the_batch_is_not_synced_by_syncfs(tmp_path, monkeypatch):
+    from nxd_ckpt.storage import local
+
+    s = LocalStorage(str(tmp_path))
+    monkeypatch.setattr(local, "_syncfs", lambda fd: pytest.fail("syncfs called"))
+    s.start_sync()                                          # nothing written yet: no anchor
+    s._anchor.local_fs = False                              # NFS, Lustre, FUSE
+    s.write_file("stage/a", lambda f: f.write(b"x"), durable=False, atomic=False)
+    s._anchor.local_fs = False
+    s.start_sync()
+
+
 def test_posix_sync_anchor_is_closed_when_nobody_takes_it(tmp_path):
     import gc
 

@@ -275,3 +275,74 @@ def test_a_failure_on_either_writer_drops_the_rest_and_releases_every_lease(tmp_
     res = WritePool().write_all(q, _LocalLike(str(tmp_path)), "w", workers=2)
     assert res.error == "OSError: [Errno 28] No space left on device"
     assert budget.used == 0
+
+
+class _SyncCounting(_LocalLike):
+    """A local-like storage whose ``start_sync`` is recorded (and can be held until the test lets it go)."""
+
+    def __init__(self, root, hold=None):
+        super().__init__(root)
+        self.calls, self.running, self.most, self.hold = 0, 0, 0, hold
+        self._lock = threading.Lock()
+
+    def start_sync(self):
+        with self._lock:
+            self.calls += 1
+            self.running += 1
+            self.most = max(self.most, self.running)
+        if self.hold is not None:
+            assert self.hold.wait(20)
+        with self._lock:
+            self.running -= 1
+
+
+class _RemoteSyncCounting(_SyncCounting):
+    def small_files_one_writer(self) -> bool:
+        return False
+
+
+@pytest.mark.parametrize("remote", [False, True])
+def test_an_early_sync_starts_as_small_file_bytes_are_written(tmp_path, monkeypatch, remote):
+    """Small files on a local filesystem: a ``start_sync`` each time EARLY_SYNC_BYTES more were written (here at
+    most 3 for the 35 files of 100 bytes: fewer when one is still running), none for the large files' 25,000
+    bytes, none where small files spread over the writers (a network filesystem); the files are exact."""
+    monkeypatch.setattr(writepool, "SMALL_BYTES", 1000)
+    monkeypatch.setattr(writepool, "BATCH_FILES", 1)
+    monkeypatch.setattr(writepool, "EARLY_SYNC_BYTES", 1000)
+    storage = (_RemoteSyncCounting if remote else _SyncCounting)(str(tmp_path))
+    budget = HostBudget(1 << 30)
+    q = TaskQueue()
+    for i in range(35):
+        q.add(_leased(budget, f"s{i}", bytes([i]) * 100))
+        if i % 7 == 0:
+            q.add(_leased(budget, f"L{i}", b"L" * 5000))
+    q.close()
+    res = WritePool().write_all(q, storage, "w", workers=2)
+    assert res.error is None and len(res.records) == 40
+    assert all(open(tmp_path / "w" / f"s{i}", "rb").read() == bytes([i]) * 100 for i in range(35))
+    if remote:
+        assert storage.calls == 0
+    else:
+        assert 1 <= storage.calls <= 3, storage.calls
+
+
+def test_early_syncs_never_overlap(tmp_path, monkeypatch):
+    """While one early sync is still running, more small-file bytes start no second one."""
+    monkeypatch.setattr(writepool, "SMALL_BYTES", 1000)
+    monkeypatch.setattr(writepool, "BATCH_FILES", 1)
+    monkeypatch.setattr(writepool, "EARLY_SYNC_BYTES", 100)
+    hold = threading.Event()
+    storage = _SyncCounting(str(tmp_path), hold)
+    budget = HostBudget(1 << 30)
+    q = TaskQueue()
+    for i in range(20):
+        q.add(_leased(budget, f"s{i}", b"s" * 100))
+    q.close()
+    pool = WritePool()
+    try:
+        res = pool.write_all(q, storage, "w", workers=2)
+    finally:
+        hold.set()
+    pool._syncer.submit(lambda: None).result(20)      # one thread, in order: every sync asked for has run
+    assert res.error is None and len(res.records) == 20
+    assert storage.calls == 1 and storage.most == 1

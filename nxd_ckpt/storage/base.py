@@ -336,6 +336,11 @@ class Storage(ABC):
     def sync_dirs(self, relpaths: Iterable[str]) -> None:
         """Make directory entries (new files, renames) durable (no-op without directories)."""
 
+    def start_sync(self) -> None:
+        """Have what was written so far reach the disk ahead of ``sync_files``, which then has less left to wait
+        for. A hint: nothing is durable because of it, and errors surface at ``sync_files``. Blocks until done
+        (the write pool runs it on a thread of its own); no-op where ``sync_files`` has nothing to gain."""
+
     def local_path(self, relpath: str) -> Optional[str]:
         """A filesystem path for the key when the backend is local (for memory-mapped reads), else None."""
         return None

@@ -717,6 +717,23 @@ class LocalStorage(Storage):
             if anchor_fd is not None:
                 os.close(anchor_fd)
 
+    def start_sync(self) -> None:
+        """One ``syncfs`` of this storage's filesystem, on a descriptor of its own: the batch's anchor keeps its
+        view of writeback errors, so ``sync_files`` still reports an error this call saw. Only where the batch
+        is synced with ``syncfs`` (``_SyncAnchor.local_fs``); errors are left to ``sync_files``."""
+        if not self._anchor.local_fs:
+            return
+        try:
+            fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0))
+        except OSError:
+            return
+        try:
+            _syncfs(fd)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+
     def sync_dirs(self, relpaths: Iterable[str]) -> None:
         for rel in sorted(set(relpaths)):
             try:
