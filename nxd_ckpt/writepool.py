@@ -43,7 +43,7 @@ SMALL_WRITER = True
 #: writing back only at 10% of RAM. Each time the small-file thread has written this many more bytes, one
 #: ``Storage.start_sync`` runs on a thread of its own (never two at once), so the disk writes while the rest is
 #: produced. One sync per 0.15 s instead cost more CPU than it saved (A/B in README "Levers measured").
-EARLY_SYNC_BYTES = 128 << 20
+EARLY_SYNC_BYTES = 64 << 20
 
 
 @dataclass
