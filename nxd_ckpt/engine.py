@@ -166,19 +166,24 @@ class Engine:
     def _feed_chunk(self, job: SaveJob, chunk: range, units, sizes: List[int], tensors, starts: List[int], lease,
                     head: List[WriteTask]) -> None:
         """Copy the units ``chunk`` (one budget chunk; unit ``i``'s tensors are ``tensors[starts[i]:starts[i + 1]]``)
-        to host ``HANDOUT_BYTES`` at a time and queue their files: the large ones as each part is copied, so that
-        the writers start on them while the rest is copied, the smaller ones
-        and ``head`` once the whole chunk is. Why hold the small ones: writing them is Python on the writer
-        threads, which takes the GIL from the copy loop (0.5 GB in 5,000 tensors: a stall of 0.76 s instead of
-        0.36 with every file queued early). Why in parts, not one by one: each queued file wakes a writer (0.1-0.4
-        s more at 5,000 tensors). On a failure the held files give their memory back."""
+        to host ``HANDOUT_BYTES`` at a time and queue their files: those of ``EARLY_MIN_BYTES`` or more as each
+        part is copied, so that the writers start on them while the rest is copied; the smaller ones, and
+        ``head``, once the whole chunk is. Why hold the small ones: writing them is Python on the writer threads,
+        which takes the GIL from the copy loop (0.5 GB in 5,000 tensors: a stall of 0.76 s instead of 0.36 with
+        every file queued early). Why in parts, not one by one: each queued file wakes a writer (0.1-0.4 s more
+        at 5,000 tensors). The buffers of files written meanwhile are not reused by this chunk
+        (``HostBufferPool.holding_returns``). On a failure the held files give their memory back."""
         held: List[WriteTask] = list(head)
         try:
-            for part in chunk_by_bytes(sizes[chunk.start:chunk.stop], HANDOUT_BYTES):
-                a, b = chunk.start + part[0], chunk.start + part[-1] + 1
-                tasks = self._hand_out(units[a:b], sizes[a:b], tensors[starts[a]:starts[b]], lease)
-                job.tasks.add_many([t for t in tasks if t.lease.nbytes >= EARLY_MIN_BYTES])
-                held += [t for t in tasks if t.lease.nbytes < EARLY_MIN_BYTES]
+            with self.buffers.holding_returns():
+                for part in chunk_by_bytes(sizes[chunk.start:chunk.stop], HANDOUT_BYTES):
+                    a, b = chunk.start + part[0], chunk.start + part[-1] + 1
+                    tasks = self._hand_out(units[a:b], sizes[a:b], tensors[starts[a]:starts[b]], lease)
+                    held += tasks           # until queued: released on a failure
+                    early = [t for t in tasks if t.lease.nbytes >= EARLY_MIN_BYTES]
+                    job.tasks.add_many(early)
+                    del held[len(held) - len(tasks):]
+                    held += [t for t in tasks if t.lease.nbytes < EARLY_MIN_BYTES]
         except BaseException:
             for task in held:
                 task.lease.release()

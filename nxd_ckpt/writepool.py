@@ -219,7 +219,6 @@ class WritePool:
         self._pool: Optional[ThreadPoolExecutor] = None
         self._size = 0
         self._small: Optional[ThreadPoolExecutor] = None
-        self._syncer: Optional[ThreadPoolExecutor] = None
 
     def _executor(self, workers: int) -> ThreadPoolExecutor:
         if self._pool is None or self._size != workers:
@@ -236,12 +235,6 @@ class WritePool:
                                              initializer=lower_thread_priority)
         return self._small
 
-    def _early_sync(self, storage: Storage) -> "_EarlySync":
-        if self._syncer is None:
-            self._syncer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nxd_ckpt-early-sync",
-                                              initializer=lower_thread_priority)
-        return _EarlySync(storage, self._syncer)
-
     def write_all(self, tasks: TaskQueue, storage: Storage, workdir: str, workers: int,
                   overwrite: bool = False) -> WriteResult:
         """Write every task of ``tasks`` under ``workdir`` until the queue is closed, then make the files
@@ -252,7 +245,7 @@ class WritePool:
         task writes one of them (``Storage.write_file(reuse=True)``)."""
         pool = self._executor(max(1, workers))
         small = self._small_writer() if SMALL_WRITER and storage.small_files_one_writer() else pool
-        early = self._early_sync(storage) if small is not pool else None
+        early = _EarlySync(storage) if small is not pool else None
         write = functools.partial(_write_one, storage, workdir, overwrite)
         futures: List[Future] = []
         failed: List[Future] = []      # appended by done-callbacks: no rescan of every future per task (O(n^2))
@@ -270,6 +263,8 @@ class WritePool:
                 fut.add_done_callback(early.wrote)
             futures.append(fut)
         wait(futures)
+        if early is not None:
+            early.close()
         records: List[FileRecord] = []
         for f in futures:
             if f.exception() is not None:
@@ -282,26 +277,38 @@ class WritePool:
 
 
 class _EarlySync:
-    """``Storage.start_sync`` on its own thread each time ``EARLY_SYNC_BYTES`` more bytes of small files were
-    written in one save (``wrote``: a done-callback of a small-file batch), never two at once. Nothing waits
-    for it: the durability batch syncs everything anyway."""
+    """``Storage.start_sync`` on a thread of its own each time ``EARLY_SYNC_BYTES`` more bytes of small files were
+    written in one save (``wrote``: a done-callback of a small-file batch), never two at once, none after
+    :meth:`close`. Nothing waits for it (the durability batch syncs everything anyway), and its thread is a
+    daemon: a ``syncfs`` stuck on a failing disk never holds up the process's exit."""
 
-    def __init__(self, storage: Storage, executor: ThreadPoolExecutor):
+    def __init__(self, storage: Storage):
         self._storage = storage
-        self._executor = executor
         self._lock = threading.Lock()
         self._unsynced = 0
-        self._running: Optional[Future] = None
+        self._closed = False
+        self._running: Optional[threading.Thread] = None
 
     def wrote(self, batch: Future) -> None:
         if batch.exception() is not None:
             return
         with self._lock:
             self._unsynced += sum(r.size for r in batch.result())
-            if self._unsynced < EARLY_SYNC_BYTES or (self._running is not None and not self._running.done()):
+            if (self._closed or self._unsynced < EARLY_SYNC_BYTES
+                    or (self._running is not None and self._running.is_alive())):
                 return
             self._unsynced = 0
-            self._running = self._executor.submit(self._storage.start_sync)
+            self._running = threading.Thread(target=self._sync, name="nxd_ckpt-early-sync", daemon=True)
+            self._running.start()
+
+    def _sync(self) -> None:
+        lower_thread_priority()
+        self._storage.start_sync()
+
+    def close(self) -> None:
+        """No sync starts after this (a batch's callback may run after ``wait`` returned for it)."""
+        with self._lock:
+            self._closed = True
 
 
 def _write_batch(batch: List[WriteTask], write: Callable[[WriteTask], FileRecord]) -> List[FileRecord]:

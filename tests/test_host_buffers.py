@@ -219,3 +219,27 @@ def test_a_failed_batched_transfer_gives_back_the_buffers_already_copied_into(mo
     with pytest.raises(RuntimeError, match="device lost"):
         staging.copy_to_host(tensors, pool)
     assert pool.allocated == 1 and not pool._lent
+
+
+def test_buffers_given_back_during_a_hold_are_not_taken_until_it_ends():
+    """A snapshot chunk does not take the buffers its own written files gave back while it was copying (the pool
+    then holds the same buffers save after save); they are free after the hold, and release() during the hold
+    drops them when it ends."""
+    from nxd_ckpt.staging import HostBufferPool
+
+    pool = HostBufferPool(1 << 20)
+    like = torch.empty(256)                          # 1 KiB
+    with pool.holding_returns():
+        a = pool.empty_like(like)
+        pool.give_back([a])
+        b = pool.empty_like(like)                   # a is still kept aside: a new buffer
+        assert b.data_ptr() != a.data_ptr() and pool.allocated == 2 and pool.reused == 0
+        pool.give_back([b])
+    assert pool.held_bytes == 2048
+    c, d = pool.empty_like(like), pool.empty_like(like)
+    assert {c.data_ptr(), d.data_ptr()} == {a.data_ptr(), b.data_ptr()} and pool.reused == 2
+    with pool.holding_returns():
+        pool.give_back([c])
+        assert pool.release() == 0                   # nothing free now; c and d are dropped when they come back
+    pool.give_back([d])
+    assert pool.held_bytes == 0

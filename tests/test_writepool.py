@@ -320,6 +320,7 @@ def test_an_early_sync_starts_as_small_file_bytes_are_written(tmp_path, monkeypa
     res = WritePool().write_all(q, storage, "w", workers=2)
     assert res.error is None and len(res.records) == 40
     assert all(open(tmp_path / "w" / f"s{i}", "rb").read() == bytes([i]) * 100 for i in range(35))
+    _early_syncs_done()
     if remote:
         assert storage.calls == 0
     else:
@@ -338,11 +339,18 @@ def test_early_syncs_never_overlap(tmp_path, monkeypatch):
     for i in range(20):
         q.add(_leased(budget, f"s{i}", b"s" * 100))
     q.close()
-    pool = WritePool()
     try:
-        res = pool.write_all(q, storage, "w", workers=2)
+        res = WritePool().write_all(q, storage, "w", workers=2)
     finally:
         hold.set()
-    pool._syncer.submit(lambda: None).result(20)      # one thread, in order: every sync asked for has run
+    _early_syncs_done()
     assert res.error is None and len(res.records) == 20
     assert storage.calls == 1 and storage.most == 1
+
+
+def _early_syncs_done():
+    """Wait for the early-sync threads of the tests' saves (daemon threads that nothing else waits for)."""
+    for t in threading.enumerate():
+        if t.name == "nxd_ckpt-early-sync":
+            t.join(20)
+            assert not t.is_alive()

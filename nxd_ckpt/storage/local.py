@@ -699,8 +699,10 @@ class LocalStorage(Storage):
         ``fdatasync`` of every file on parallel threads (the kernel has been writing the pages back since
         they were written, and one deep queue of syncs finishes sooner than one sync after each file)."""
         paths = [self.path(r) for r in relpaths]
-        anchor_dev, anchor_fd = self._anchor.take()
+        anchor_dev, anchor_fd, early_error = self._anchor.take()
         try:
+            if early_error is not None:
+                raise early_error
             rest = paths
             if anchor_fd is not None and paths:
                 dev_of = {d: os.stat(d).st_dev for d in {os.path.dirname(p) for p in paths}}
@@ -718,19 +720,21 @@ class LocalStorage(Storage):
                 os.close(anchor_fd)
 
     def start_sync(self) -> None:
-        """One ``syncfs`` of this storage's filesystem, on a descriptor of its own: the batch's anchor keeps its
-        view of writeback errors, so ``sync_files`` still reports an error this call saw. Only where the batch
-        is synced with ``syncfs`` (``_SyncAnchor.local_fs``); errors are left to ``sync_files``."""
-        if not self._anchor.local_fs:
+        """One ``syncfs`` of the filesystem of the batch being written (``_SyncAnchor``), on a descriptor of its
+        own: the anchor keeps its view of writeback errors for ``sync_files``, and an error this call gets is
+        kept and raised by ``sync_files`` too (the kernel reports some errors to the first sync that asks).
+        Nothing where the batch is not synced with ``syncfs`` or nothing was written yet."""
+        folder = self._anchor.folder()
+        if folder is None:
             return
         try:
-            fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0))
+            fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0))
         except OSError:
             return
         try:
             _syncfs(fd)
-        except OSError:
-            pass
+        except OSError as exc:
+            self._anchor.keep_error(exc)
         finally:
             os.close(fd)
 
@@ -764,6 +768,8 @@ class _SyncAnchor:
         self._lock = threading.Lock()
         self._dev: Optional[int] = None
         self._fd: Optional[int] = None
+        self._folder: Optional[str] = None
+        self._error: Optional[OSError] = None     # what an early sync (start_sync) got, for sync_files
 
     def arm(self, folder: str) -> None:
         """Called with the folder of a file just created, before anything is written to it. Without an
@@ -785,15 +791,26 @@ class _SyncAnchor:
             return
         self.local_fs = _syncfs_usable(fd)
         if self.local_fs:
-            self._fd, self._dev = fd, os.fstat(fd).st_dev
+            self._fd, self._dev, self._folder = fd, os.fstat(fd).st_dev, folder
         else:
             os.close(fd)
 
-    def take(self) -> Tuple[Optional[int], Optional[int]]:
-        """(device, descriptor) of the batch written since the last call; the caller closes it."""
+    def folder(self) -> Optional[str]:
+        """The anchored folder of the batch being written; None when it is not synced with ``syncfs``."""
         with self._lock:
-            out = (self._dev, self._fd)
-            self.armed, self._dev, self._fd = False, None, None
+            return self._folder if self._fd is not None else None
+
+    def keep_error(self, exc: OSError) -> None:
+        with self._lock:
+            if self._fd is not None and self._error is None:
+                self._error = exc
+
+    def take(self) -> Tuple[Optional[int], Optional[int], Optional[OSError]]:
+        """(device, descriptor, an early sync's error) of the batch written since the last call; the caller
+        closes the descriptor."""
+        with self._lock:
+            out = (self._dev, self._fd, self._error)
+            self.armed, self._dev, self._fd, self._folder, self._error = False, None, None, None, None
             return out
 
     def __del__(self):
