@@ -210,7 +210,16 @@ def test_a_failure_while_handing_out_files_leaks_no_budget_or_buffers(tmp_path, 
         return real(relpath, t, lease)
 
     monkeypatch.setattr(engine_mod, "tensor_task", third_fails)
-    with pytest.raises(nxd_ckpt.RankFailureError, match="producer broke"):
+    _save_fails_leaving_nothing(root, state, "producer broke")
+
+
+def _save_fails_leaving_nothing(root, state, match):
+    """The save of ``state`` raises ``match`` on this rank; no host budget or pool buffer stays taken, and only
+    the earlier checkpoint ``good`` is listed."""
+    import nxd_ckpt
+    import nxd_ckpt.engine as engine_mod
+
+    with pytest.raises(nxd_ckpt.RankFailureError, match=match):
         nxd_ckpt.save_checkpoint(root, "bad", model=state, use_xser=True)
     eng = engine_mod.get_engine()
     assert eng.budget.used == 0
@@ -294,12 +303,7 @@ def test_a_copy_failing_after_large_files_were_handed_out_leaks_nothing(tmp_path
         return real_copy(tensors, pool)
 
     monkeypatch.setattr(engine_mod, "copy_to_host", copy)
-    with pytest.raises(nxd_ckpt.RankFailureError, match="device lost in the second part"):
-        nxd_ckpt.save_checkpoint(root, "bad", model=state, use_xser=True)
-    eng = engine_mod.get_engine()
-    assert eng.budget.used == 0
-    assert eng.buffers._lent == {}
-    assert nxd_ckpt.list_checkpoints(root) == ["good"]
+    _save_fails_leaving_nothing(root, state, "device lost in the second part")
 
 
 # ---- a write error on one rank of four ---------------------------------------------------------------
