@@ -179,11 +179,8 @@ class Engine:
                 for part in chunk_by_bytes(sizes[chunk.start:chunk.stop], HANDOUT_BYTES):
                     a, b = chunk.start + part[0], chunk.start + part[-1] + 1
                     tasks = self._hand_out(units[a:b], sizes[a:b], tensors[starts[a]:starts[b]], lease)
-                    held += tasks           # until queued: released on a failure
-                    early = [t for t in tasks if t.lease.nbytes >= EARLY_MIN_BYTES]
-                    job.tasks.add_many(early)
-                    del held[len(held) - len(tasks):]
                     held += [t for t in tasks if t.lease.nbytes < EARLY_MIN_BYTES]
+                    job.tasks.add_many([t for t in tasks if t.lease.nbytes >= EARLY_MIN_BYTES])
         except BaseException:
             for task in held:
                 task.lease.release()

@@ -798,7 +798,7 @@ class _SyncAnchor:
     def folder(self) -> Optional[str]:
         """The anchored folder of the batch being written; None when it is not synced with ``syncfs``."""
         with self._lock:
-            return self._folder if self._fd is not None else None
+            return self._folder
 
     def keep_error(self, exc: OSError) -> None:
         with self._lock:
