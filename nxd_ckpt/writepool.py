@@ -38,6 +38,8 @@ SMALL_BYTES = 1 << 20
 #: took longer (5,000 files of 100 KB on tmpfs: 225-300 against 88-111 us of CPU per file; A/B in README "Levers
 #: measured"). False: every file goes to the ``num_workers`` threads.
 SMALL_WRITER = True
+#: Threads of that small-file writer (the A/B lever ``smallwriters`` of scripts/ab_commit.py).
+SMALL_WRITERS = 1
 #: On a local filesystem the small files' bytes stay in the page cache until the durability batch's ``syncfs``,
 #: which then waits for all of them (0.5-0.6 s of a 1.8 s commit at 0.5 GB in 5,000 files): the kernel starts
 #: writing back only at 10% of RAM. Each time the small-file thread has written this many more bytes, one
@@ -219,6 +221,7 @@ class WritePool:
         self._pool: Optional[ThreadPoolExecutor] = None
         self._size = 0
         self._small: Optional[ThreadPoolExecutor] = None
+        self._small_size = 0
 
     def _executor(self, workers: int) -> ThreadPoolExecutor:
         if self._pool is None or self._size != workers:
@@ -230,8 +233,11 @@ class WritePool:
         return self._pool
 
     def _small_writer(self) -> ThreadPoolExecutor:
-        if self._small is None:
-            self._small = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nxd_ckpt-small",
+        if self._small is None or self._small_size != SMALL_WRITERS:
+            if self._small is not None:
+                self._small.shutdown(wait=True)
+            self._small_size = SMALL_WRITERS
+            self._small = ThreadPoolExecutor(max_workers=SMALL_WRITERS, thread_name_prefix="nxd_ckpt-small",
                                              initializer=lower_thread_priority)
         return self._small
 

@@ -13,7 +13,9 @@
 - ``no_small_writer``: small files on a local filesystem written by the ``num_workers`` threads like the others
   (``writepool.SMALL_WRITER = False``);
 - ``no_direct``: every file written through the page cache (``storage.local.DIRECT_WRITES = False``);
-- ``no_huge``: the direct writes' bounce buffers in small pages (``storage.local.HUGE_BOUNCES = False``).
+- ``no_huge``: the direct writes' bounce buffers in small pages (``storage.local.HUGE_BOUNCES = False``);
+- ``no_early_sync``: no ``syncfs`` started while small files are written (``writepool.EARLY_SYNC_BYTES``), only the
+  durability batch's.
 
 Every result is printed in run order too, so a lasting effect (one variant changing every later round) shows.
 
@@ -47,11 +49,13 @@ def main() -> int:
     from nxd_ckpt.storage import local
 
     default_nice = writepool.BACKGROUND_NICE
+    default_early_sync = writepool.EARLY_SYNC_BYTES
 
     def prep(variant: str) -> None:
         bench.renice_background(int(variant[len("nice"):]) if variant.startswith("nice") else default_nice)
         writepool.SMALL_WRITER = variant != "no_small_writer"
         local.DIRECT_WRITES = variant != "no_direct"
+        writepool.EARLY_SYNC_BYTES = 1 << 62 if variant == "no_early_sync" else default_early_sync
         if local.HUGE_BOUNCES != (variant != "no_huge"):
             local.BOUNCES.release()     # the next bounce buffers are made the other way
         local.HUGE_BOUNCES = variant != "no_huge"

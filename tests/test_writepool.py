@@ -238,6 +238,33 @@ def test_small_writer_off_sends_small_files_to_the_num_workers_threads(tmp_path,
     assert names and all(n.startswith("nxd_ckpt-write") for n in names)
 
 
+def test_small_writers_knob_resizes_the_small_file_threads(tmp_path, monkeypatch):
+    """``SMALL_WRITERS`` (an A/B lever) takes effect on the next save of a pool that already has its small-file
+    thread: two threads then share the small files, every one written."""
+    pool = WritePool()
+    names = set()
+    barrier = threading.Barrier(2, timeout=10)
+
+    def save(n: int, meet: bool) -> None:
+        q = TaskQueue()
+        for i in range(n):
+            # each small file a batch of its own (queued one at a time with the pool already waiting is not
+            # guaranteed), so the two meeting files are in flight on two threads at once
+            q.add(WriteTask(f"s{i}", lambda f, i=i: (names.add(threading.current_thread().name),
+                                                     meet and i < 2 and barrier.wait(), f.write(b"x"))))
+        q.close()
+        res = pool.write_all(q, _LocalLike(str(tmp_path)), f"w{n}", workers=2)
+        assert res.error is None and len(res.records) == n
+
+    save(3, False)
+    assert len(names) == 1
+    monkeypatch.setattr(writepool, "SMALL_WRITERS", 2)
+    monkeypatch.setattr(writepool, "BATCH_FILES", 1)
+    names.clear()
+    save(4, True)
+    assert len(names) == 2 and all(n.startswith("nxd_ckpt-small") for n in names)
+
+
 # ext4, tmpfs, NFS, Lustre, overlayfs, unknown
 @pytest.mark.parametrize("f_type, expected", [(0xEF53, True), (0x01021994, True), (0x6969, False),
                                               (0x0BD00BD0, False), (0x794C7630, False), (None, False)])
