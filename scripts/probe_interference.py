@@ -1,0 +1,134 @@
+#!/usr/bin/env python3
+"""What slows bench.py's training loop (issue 13, ``train_step_slowdown``): the median step time of the same small
+XLA loop while one kind of background work runs, over the median without, each kind in turn, ``--rounds`` times.
+No checkpoint is written; each kind stands for one part of what a background save does:
+
+- ``none``: nothing (the noise of the measure);
+- ``py_thread``: a thread of this process at niceness +19 running pure Python (it holds the GIL whenever it runs);
+- ``py_process``: the same loop in a process of its own at niceness +19 (no GIL shared);
+- ``files``: a thread at +19 creating and writing 100 KB files (the small-file writer's system calls);
+- ``files_py``: the same with 20 us of Python per file (about what nxd-ckpt's writer spends per small file);
+- ``files_syncfs``: ``files`` with a ``syncfs`` every 640 files (64 MB), as the early sync does: the disk's
+  writeback then runs beside the training.
+
+    python scripts/probe_interference.py --rounds 2 --dir /tmp/nxd_ckpt_probe
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import math
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import threading
+import time
+
+KINDS = ("none", "py_thread", "py_process", "files", "files_py", "files_syncfs")
+
+
+def _nice_this_thread() -> None:
+    os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+
+
+def _files(stop: threading.Event, folder: str, python_us: float, sync_every: int) -> None:
+    _nice_this_thread()
+    os.makedirs(folder, exist_ok=True)
+    data, i = b"x" * 100_000, 0
+    libc = ctypes.CDLL(None, use_errno=True)
+    anchor = os.open(folder, os.O_RDONLY)
+    try:
+        while not stop.is_set():
+            t = time.thread_time()
+            while time.thread_time() - t < python_us * 1e-6:
+                pass
+            fd = os.open(f"{folder}/f{i % 5000}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            os.write(fd, data)
+            os.close(fd)
+            i += 1
+            if sync_every and i % sync_every == 0:
+                libc.syncfs(anchor)
+    finally:
+        os.close(anchor)
+
+
+def _py(stop: threading.Event) -> None:
+    _nice_this_thread()
+    while not stop.is_set():
+        sum(range(1000))
+
+
+def _start(kind: str, stop: threading.Event, folder: str):
+    """Start ``kind``'s background work; returns what ``_end`` stops."""
+    if kind == "none":
+        return None
+    if kind == "py_process":
+        return subprocess.Popen(["nice", "-n", "19", sys.executable, "-c", "while True: sum(range(1000))"])
+    target = {"py_thread": lambda: _py(stop),
+              "files": lambda: _files(stop, folder, 0, 0),
+              "files_py": lambda: _files(stop, folder, 20, 0),
+              "files_syncfs": lambda: _files(stop, folder, 0, 640)}[kind]
+    th = threading.Thread(target=target, daemon=True)
+    th.start()
+    return th
+
+
+def _end(work, stop: threading.Event) -> None:
+    stop.set()
+    if isinstance(work, subprocess.Popen):
+        work.kill()
+        work.wait(timeout=10)
+    elif work is not None:
+        work.join(timeout=30)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--steps", type=int, default=30, help="steps timed without, then with, the background work")
+    p.add_argument("--train-dim", type=int, default=1024)
+    p.add_argument("--dir", default="/tmp/nxd_ckpt_probe")
+    p.add_argument("--kinds", default=",".join(KINDS))
+    args = p.parse_args()
+    os.environ.setdefault("PJRT_DEVICE", "CPU")
+    import torch
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+
+    dev, n = torch_xla.device(), args.train_dim
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(n, n, generator=gen).to(dev)
+    ws = [(torch.randn(n, n, generator=gen) / math.sqrt(n)).to(dev) for _ in range(3)]
+
+    def step() -> float:     # the same loop as bench.py's train_step_slowdown
+        t, y = time.perf_counter(), x
+        for w in ws:
+            y = torch.tanh(y @ w)
+        s = y.sum()
+        torch_xla.sync()
+        xm.wait_device_ops()
+        del s
+        return time.perf_counter() - t
+
+    for _ in range(5):
+        step()
+    ratios = {k: [] for k in args.kinds.split(",")}
+    for r in range(args.rounds):
+        for kind in ratios:
+            base = [step() for _ in range(args.steps)]
+            stop = threading.Event()
+            work = _start(kind, stop, os.path.join(args.dir, kind))
+            time.sleep(0.05)
+            during = [step() for _ in range(args.steps)]
+            _end(work, stop)
+            ratios[kind].append(round(statistics.median(during) / statistics.median(base), 3))
+            print(f"round {r} {kind}: {ratios[kind][-1]}x", flush=True)
+    shutil.rmtree(args.dir, ignore_errors=True)
+    print({k: {"median": statistics.median(v), "rounds": v} for k, v in ratios.items()})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
