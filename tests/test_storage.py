@@ -251,7 +251,7 @@ def test_start_sync_uses_a_descriptor_of_its_own_and_its_error_is_raised_by_sync
     s = LocalStorage(str(tmp_path))
     s.write_file("stage/a", lambda f: f.write(b"x"), durable=False, atomic=False)
     if s._anchor._fd is None:
-        pytest.skip("no syncfs anchor on this filesystem")
+        pytest.skip("no syncfs anchor: the test directory is not on ext4/xfs/btrfs/tmpfs or the kernel is older than 5.8")
     seen = []
 
     def syncfs_failing_once(fd):

@@ -411,6 +411,11 @@ class _DirectFileSink(_FileSink):
             BOUNCES.give_back(bounce)
 
 
+def _open_folder(folder: str) -> int:
+    """A descriptor on ``folder`` for ``syncfs`` (the batch's anchor, an early sync's own)."""
+    return os.open(folder, os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0))
+
+
 def _take_over(path: str, flags: int) -> Tuple[int, int]:
     """Open the file at ``path``, a retired checkpoint's that nobody needs any more, to be overwritten in place:
     (descriptor, its current size), or (-1, -1) when there is none or it must not be overwritten: not a regular file
@@ -728,7 +733,7 @@ class LocalStorage(Storage):
         if folder is None:
             return
         try:
-            fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0))
+            fd = _open_folder(folder)
         except OSError:
             return
         try:
@@ -786,7 +791,7 @@ class _SyncAnchor:
 
     def _open(self, folder: str) -> None:
         try:
-            fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0))
+            fd = _open_folder(folder)
         except OSError:
             return
         self.local_fs = _syncfs_usable(fd)
