@@ -132,10 +132,11 @@ def main() -> int:
                 "full_collections": bench.full_collections() - g0}
 
     shutil.rmtree(args.dir, ignore_errors=True)
+    settled = bench.settle_removals(args.dir, args.settle_timeout)
     res, loads = bench.alternate(("before", "after"), one, args.rounds)
     shutil.rmtree(args.dir, ignore_errors=True)
     out = {"lever": args.lever, "values": values, "bytes": nbytes, "tensors": args.tensors, "state": args.state,
-           "rounds": args.rounds,
+           "rounds": args.rounds, "settle_removals": settled,
            "filesystem": _fs_type(args.dir), "load1": loads, "median": bench.medians(res),
            "device_snapshot": args.device_snapshot,
            "stall_s_rounds": {v: [round(x["stall_s"], 3) for x in res[v]] for v in res},

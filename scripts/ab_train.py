@@ -67,7 +67,8 @@ def main() -> int:
                 getattr(b, "m_" + m)(check=False)
         elif variant == "after_dcp":
             b.m_dcp_async(check=False)
-        b.cleanup()
+        if not args.keep_tags:
+            b.cleanup()
 
     def one(variant: str, rnd: int) -> dict:
         prep(variant)
@@ -79,7 +80,8 @@ def main() -> int:
 
     res, loads = bench.alternate(tuple(args.variants.split(",")), one, args.rounds)
     b.cleanup()
-    out = {"bytes": b.bytes, "tensors": args.tensors, "rounds": args.rounds, "load1": loads, "order": order,
+    out = {"bytes": b.bytes, "tensors": args.tensors, "rounds": args.rounds, "settle_removals": b.settled,
+           "load1": loads, "order": order,
            "median": bench.medians(res), "runs": res}
     bench.print_json(out, args.out)
     return 0

@@ -42,6 +42,7 @@ import json
 import math
 import os
 import platform
+import resource
 import shutil
 import statistics
 import subprocess
@@ -148,6 +149,35 @@ def fsync_tree(path):
 #: Why --keep-tags exists (bench.py and the A/B scripts).
 KEEP_TAGS_WHY = ("on ext4 without a journal, as on this VM, creating files right after removing thousands costs "
                  "0.2-0.7 ms of kernel CPU each")
+#: Kernel CPU of one empty-file creation under which a folder's filesystem counts as settled (about 15 us here).
+SETTLED_CREATE_US = 40.0
+
+
+def settle_removals(folder: str, timeout_s: float = 420.0, probe_files: int = 256) -> dict:
+    """Wait until files removed before this run no longer slow the creation of new ones; returns what was seen.
+
+    ext4 without a journal (this VM's disk) does not reuse an inode removed less than 60 s ago (360 s while its
+    inode-table block is unwritten): allocating one scans past every such inode in the group. Found with
+    ``perf`` (``recently_deleted`` under ``__ext4_new_inode``): after a test run or an earlier run's cleanup,
+    creating a file cost 80-500 us of kernel CPU instead of about 15 us, for every method measured, and most at
+    5,000 files. Syncs, then creates ``probe_files`` empty files in a new folder under ``folder``/_create_probes
+    (``path`` in the result; kept, since removing them would restart the wait, until the caller's cleanup) every
+    10 s until one creation takes under SETTLED_CREATE_US of kernel CPU or ``timeout_s`` passes. Journaled
+    filesystems (ext4's default, XFS, FSx for Lustre) pass at once."""
+    start, seen, root = time.perf_counter(), [], os.path.join(folder, "_create_probes")
+    while True:
+        os.sync()
+        probe = os.path.join(root, f"{len(seen)}_{os.getpid()}")
+        os.makedirs(probe)
+        t = resource.getrusage(resource.RUSAGE_THREAD).ru_stime
+        for i in range(probe_files):
+            os.close(os.open(os.path.join(probe, str(i)), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+        seen.append(round((resource.getrusage(resource.RUSAGE_THREAD).ru_stime - t) / probe_files * 1e6, 1))
+        waited = time.perf_counter() - start
+        if seen[-1] < SETTLED_CREATE_US or waited > timeout_s:
+            return {"create_us": seen, "waited_s": round(waited, 1), "settled": seen[-1] < SETTLED_CREATE_US,
+                    "path": root}
+        time.sleep(10)
 
 
 def ab_parser(doc: str, *, dir: str | None, rounds: int, size_gb: float = 1.0, tensors: int = 300,
@@ -163,6 +193,9 @@ def ab_parser(doc: str, *, dir: str | None, rounds: int, size_gb: float = 1.0, t
     p.add_argument("--rounds", type=int, default=rounds)
     p.add_argument("--dir", default=dir, required=dir is None)
     p.add_argument("--out")
+    p.add_argument("--settle-timeout", type=float, default=420.0,
+                   help="seconds to wait at the start for earlier file removals to stop slowing file creation "
+                        "(settle_removals; 0: probe once and go on)")
     p.add_argument("--keep-tags", action="store_true",
                    help="save each round into a folder of its own under --dir, all removed only at the end (the "
                         f"default empties --dir before each save; {KEEP_TAGS_WHY})")
@@ -571,13 +604,15 @@ class Bench:
         self.args = args
         self.dir = os.path.abspath(args.dir)
         self.cache = Cache()
+        self.settled = settle_removals(self.dir, args.settle_timeout)
+        print(f"settle_removals: {self.settled}", flush=True)
         self.dev = device()
         self.model, self.optim, self.hidden = build_state(int(args.size_gb * GB), args.tensors, self.dev, args.state)
         self.tensors = tensors_of(self.whole())
         self.bytes = nbytes(self.whole())
         self.rss = RssSampler()
         self.counter = 0
-        self.created = set()
+        self.created = {self.settled["path"]}
         self.file_set = None        # sizes of the files of nxd_ckpt's first save: the per-file floor's file set
 
     def whole(self) -> dict:
@@ -1069,7 +1104,7 @@ def run(args) -> dict:
         "config": {"size_gb": args.size_gb, "tensors": len(b.tensors), "state": args.state, "hidden": b.hidden,
                    "dir": b.dir,
                    "repeat": args.repeat, "keep_tags": args.keep_tags, "num_workers": args.num_workers,
-                   "rss_saves": args.rss_saves, "train_dim": args.train_dim},
+                   "rss_saves": args.rss_saves, "train_dim": args.train_dim, "settle_removals": b.settled},
         "environment": dict(environment(b, load_start, started), loadavg_1min_every_15s=loads.stop()),
         "notes": {
             "page_cache": f"before every save and every load: sync + {b.cache.mode}",
@@ -1373,6 +1408,9 @@ def main(argv=None) -> int:
                    help="each save (and each limit's file set) in a folder of its own, all removed only at the end "
                         "of the run; the default removes a method's previous save right before its next one "
                         f"({KEEP_TAGS_WHY}). Needs disk for every save of the run")
+    p.add_argument("--settle-timeout", type=float, default=420.0,
+                   help="seconds to wait at the start for earlier file removals to stop slowing file creation "
+                        "(settle_removals; 0: probe once and go on)")
     p.add_argument("--skip-train", action="store_true")
     p.add_argument("--skip-rss", action="store_true", help="skip the per-method RSS peak saves")
     p.add_argument("--methods", default="", help="comma-separated subset (development)")

@@ -6,6 +6,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -39,7 +40,7 @@ def test_bench_tiny_run_writes_complete_json(tmp_path):
     out = tmp_path / "bench.json"
     cmd = [sys.executable, os.path.join(ROOT, "scripts", "bench.py"), "--size-gb", "0.01", "--tensors", "20",
            "--dir", str(tmp_path / "data"), "--repeat", "1", "--rss-saves", "3", "--train-steps", "3",
-           "--train-dim", "128", "--out", str(out)]
+           "--train-dim", "128", "--settle-timeout", "0", "--out", str(out)]
     env = dict(os.environ, PJRT_DEVICE="CPU")
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=850)
     assert proc.returncode == 0, f"bench.py failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
@@ -47,6 +48,9 @@ def test_bench_tiny_run_writes_complete_json(tmp_path):
 
     r = json.loads(out.read_text())
     assert isinstance(r["bytes"], int) and r["bytes"] > 0
+    settled = r["config"]["settle_removals"]
+    assert len(settled["create_us"]) == 1 and settled["path"] == str(tmp_path / "data" / "_create_probes")
+    assert not os.path.exists(settled["path"])          # removed with the run's folders
     for k in LIMITS:
         _sane(r["limits"][k], f"limits.{k}")
     assert set(METHODS) <= set(r["methods"])
@@ -83,7 +87,7 @@ def test_bench_bf16_params_with_fp32_optimizer_state(tmp_path):
     out = tmp_path / "bench.json"
     cmd = [sys.executable, os.path.join(ROOT, "scripts", "bench.py"), "--state", "bf16-adam", "--size-gb", "0.005",
            "--tensors", "8", "--dir", str(tmp_path / "data"), "--repeat", "1", "--rss-saves", "0", "--skip-rss",
-           "--skip-train", "--methods", "nxd_ckpt_async,torch_save", "--out", str(out)]
+           "--skip-train", "--methods", "nxd_ckpt_async,torch_save", "--settle-timeout", "0", "--out", str(out)]
     proc = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, PJRT_DEVICE="CPU"), capture_output=True, text=True,
                           timeout=550)
     assert proc.returncode == 0, f"bench.py failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
@@ -211,7 +215,7 @@ def test_ab_commit_tiny_run_alternates_the_lever_and_writes_its_json(tmp_path):
     out = tmp_path / "ab.json"
     cmd = [sys.executable, os.path.join(ROOT, "scripts", "ab_commit.py"), "--lever", "workers", "--before", "2",
            "--after", "1", "--size-gb", "0.002", "--tensors", "8", "--rounds", "2", "--dir", str(tmp_path / "d"),
-           "--out", str(out)]
+           "--settle-timeout", "0", "--out", str(out)]
     proc = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, PJRT_DEVICE="CPU"), capture_output=True, text=True,
                           timeout=280)
     assert proc.returncode == 0, f"ab_commit.py failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
@@ -226,6 +230,23 @@ def test_ab_commit_tiny_run_alternates_the_lever_and_writes_its_json(tmp_path):
         _sane(r["median"][v]["host_cpu_s_per_gb"], f"median.{v}.host_cpu_s_per_gb", allow_zero=True)
         _sane(r["median"][v]["full_collections"], f"median.{v}.full_collections", allow_zero=True)
     assert not os.path.exists(tmp_path / "d")
+
+
+def test_settle_removals_probes_until_creation_is_cheap_or_the_timeout(tmp_path, monkeypatch):
+    """bench.settle_removals: one probe when creation is already cheap; when it never gets cheap, a probe per
+    wait until the timeout, each in a folder of its own that is kept (removing it would restart the wait)."""
+    bench = _bench_module()
+    monkeypatch.setattr(bench, "SETTLED_CREATE_US", 1e9)
+    r = bench.settle_removals(str(tmp_path / "a"), timeout_s=60, probe_files=8)
+    assert r["settled"] and len(r["create_us"]) == 1 and r["waited_s"] < 60
+    assert [sorted(os.listdir(os.path.join(r["path"], d))) for d in os.listdir(r["path"])] == \
+        [sorted(str(i) for i in range(8))]
+    naps, nap = [], time.sleep
+    monkeypatch.setattr(bench, "SETTLED_CREATE_US", -1.0)
+    monkeypatch.setattr(bench.time, "sleep", lambda s: naps.append(s) or nap(0.02))
+    r = bench.settle_removals(str(tmp_path / "b"), timeout_s=0.1, probe_files=4)
+    assert not r["settled"] and len(r["create_us"]) == len(naps) + 1 >= 3 and set(naps) == {10}
+    assert len(os.listdir(r["path"])) == len(r["create_us"])
 
 
 def test_training_time_lost_per_save_is_the_steps_during_it_times_their_extra_time():
@@ -248,7 +269,7 @@ def test_ab_train_tiny_run_alternates_what_runs_before_the_training_loop(tmp_pat
     out = tmp_path / "ab.json"
     cmd = [sys.executable, os.path.join(ROOT, "scripts", "ab_train.py"), "--size-gb", "0.02", "--tensors", "128",
            "--rounds", "2", "--variants", "kept,released", "--train-steps", "3", "--train-dim", "64",
-           "--dir", str(tmp_path / "d"), "--out", str(out)]
+           "--dir", str(tmp_path / "d"), "--settle-timeout", "0", "--out", str(out)]
     proc = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, PJRT_DEVICE="CPU"), capture_output=True, text=True,
                           timeout=280)
     assert proc.returncode == 0, f"ab_train.py failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
