@@ -9,7 +9,12 @@ No checkpoint is written; each kind stands for one part of what a background sav
 - ``files``: a thread at +19 creating and writing 100 KB files (the small-file writer's system calls);
 - ``files_py``: the same with 20 us of Python per file (about what nxd-ckpt's writer spends per small file);
 - ``files_syncfs``: ``files`` with a ``syncfs`` every 640 files (64 MB), as the early sync does: the disk's
-  writeback then runs beside the training.
+  writeback then runs beside the training;
+- ``files_new``: ``files``, but every file a new one (``files`` overwrites the same 5,000 after its first pass, as
+  a save never does: a save creates every file, and the kernel allocates an inode each time);
+- ``files_new_py``: ``files_new`` with 20 us of Python per file (the small-file writer as it is);
+- ``files_new_process``: ``files_new`` in a process of its own at niceness +19 (no GIL shared: what a writer
+  process for the small files would leave to the training process).
 
     python scripts/probe_interference.py --rounds 2 --dir /tmp/nxd_ckpt_probe
 """
@@ -26,16 +31,17 @@ import sys
 import threading
 import time
 
-KINDS = ("none", "py_thread", "py_process", "files", "files_py", "files_syncfs")
+KINDS = ("none", "py_thread", "py_process", "files", "files_py", "files_syncfs", "files_new", "files_new_py", "files_new_process")
 
 
 def _nice_this_thread() -> None:
     os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
 
 
-def _files(stop: threading.Event, folder: str, python_us: float, sync_every: int) -> None:
+def _files(stop: threading.Event, folder: str, python_us: float, sync_every: int, new: bool = False) -> None:
     _nice_this_thread()
-    os.makedirs(folder, exist_ok=True)
+    folder = os.path.join(folder, str(time.time_ns()))    # a new folder each time: new files are new
+    os.makedirs(folder)
     data, i = b"x" * 100_000, 0
     libc = ctypes.CDLL(None, use_errno=True)
     anchor = os.open(folder, os.O_RDONLY)
@@ -44,7 +50,7 @@ def _files(stop: threading.Event, folder: str, python_us: float, sync_every: int
             t = time.thread_time()
             while time.thread_time() - t < python_us * 1e-6:
                 pass
-            fd = os.open(f"{folder}/f{i % 5000}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            fd = os.open(f"{folder}/f{i if new else i % 5000}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             os.write(fd, data)
             os.close(fd)
             i += 1
@@ -66,10 +72,14 @@ def _start(kind: str, stop: threading.Event, folder: str):
         return None
     if kind == "py_process":
         return subprocess.Popen(["nice", "-n", "19", sys.executable, "-c", "while True: sum(range(1000))"])
+    if kind == "files_new_process":
+        return subprocess.Popen(["nice", "-n", "19", sys.executable, os.path.abspath(__file__), "--files-into", folder])
     target = {"py_thread": lambda: _py(stop),
               "files": lambda: _files(stop, folder, 0, 0),
               "files_py": lambda: _files(stop, folder, 20, 0),
-              "files_syncfs": lambda: _files(stop, folder, 0, 640)}[kind]
+              "files_syncfs": lambda: _files(stop, folder, 0, 640),
+              "files_new": lambda: _files(stop, folder, 0, 0, new=True),
+              "files_new_py": lambda: _files(stop, folder, 20, 0, new=True)}[kind]
     th = threading.Thread(target=target, daemon=True)
     th.start()
     return th
@@ -91,7 +101,11 @@ def main() -> int:
     p.add_argument("--train-dim", type=int, default=1024)
     p.add_argument("--dir", default="/tmp/nxd_ckpt_probe")
     p.add_argument("--kinds", default=",".join(KINDS))
+    p.add_argument("--files-into", help=argparse.SUPPRESS)     # files_new_process's child: write until killed
     args = p.parse_args()
+    if args.files_into:
+        _files(threading.Event(), args.files_into, 0, 0, new=True)
+        return 0
     os.environ.setdefault("PJRT_DEVICE", "CPU")
     import torch
     import torch_xla
