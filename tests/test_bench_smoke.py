@@ -235,7 +235,7 @@ def test_ab_commit_tiny_run_alternates_the_lever_and_writes_its_json(tmp_path):
 def test_settle_removals_probes_until_creation_is_cheap_or_the_timeout(tmp_path, monkeypatch):
     """bench.settle_removals: one probe (of every folder) when creation is already cheap; when it never gets
     cheap, a probe per wait until the timeout, each in folders of its own that are kept (removing them would
-    restart the wait)."""
+    restart the wait); when it turns cheap after a wait, the dirty window on top."""
     bench = _bench_module()
     monkeypatch.setattr(bench, "SETTLED_CREATE_US", 1e9)
     r = bench.settle_removals(str(tmp_path / "a"), timeout_s=60, probe_files=8, probe_folders=3)
@@ -248,12 +248,12 @@ def test_settle_removals_probes_until_creation_is_cheap_or_the_timeout(tmp_path,
     r = bench.settle_removals(str(tmp_path / "b"), timeout_s=0.1, probe_files=4, probe_folders=2)
     assert not r["settled"] and len(r["create_us"]) == len(naps) + 1 >= 3 and set(naps) == {10}
     assert len(os.listdir(r["path"])) == 2 * len(r["create_us"])
-    # dear, then cheap: settled only at the second cheap probe in a row
-    costs = iter([500.0, 500.0, 5.0, 5.0, 5.0, 5.0])
+    # dear, then cheap: settled, and then the dirty window waited out as well
+    costs, naps[:] = iter([500.0, 500.0, 5.0, 5.0]), []
     monkeypatch.setattr(bench, "SETTLED_CREATE_US", 40.0)
     monkeypatch.setattr(bench, "_create_cost_us", lambda probe, files: next(costs))
     r = bench.settle_removals(str(tmp_path / "c"), timeout_s=60, probe_folders=2)
-    assert r["settled"] and r["create_us"] == [500.0, 5.0, 5.0]
+    assert r["settled"] and r["create_us"] == [500.0, 5.0] and naps == [10, bench.DIRTY_WINDOW_S]
 
 
 def test_training_time_lost_per_save_is_the_steps_during_it_times_their_extra_time():
