@@ -42,7 +42,6 @@ import json
 import math
 import os
 import platform
-import resource
 import shutil
 import statistics
 import subprocess
@@ -209,8 +208,9 @@ def ab_parser(doc: str, *, dir: str | None, rounds: int, size_gb: float = 1.0, t
     p.add_argument("--dir", default=dir, required=dir is None)
     p.add_argument("--out")
     p.add_argument("--settle-timeout", type=float, default=420.0,
-                   help="seconds to wait at the start for earlier file removals to stop slowing file creation "
-                        "(settle_removals; 0: probe once and go on)")
+                   help="seconds to probe at the start until earlier file removals stop slowing file creation "
+                        "(settle_removals; the 300 s that follow a probe turning cheap come on top; 0: probe once "
+                        "and go on)")
     p.add_argument("--keep-tags", action="store_true",
                    help="save each round into a folder of its own under --dir, all removed only at the end (the "
                         f"default empties --dir before each save; {KEEP_TAGS_WHY})")
@@ -1424,8 +1424,9 @@ def main(argv=None) -> int:
                         "of the run; the default removes a method's previous save right before its next one "
                         f"({KEEP_TAGS_WHY}). Needs disk for every save of the run")
     p.add_argument("--settle-timeout", type=float, default=420.0,
-                   help="seconds to wait at the start for earlier file removals to stop slowing file creation "
-                        "(settle_removals; 0: probe once and go on)")
+                   help="seconds to probe at the start until earlier file removals stop slowing file creation "
+                        "(settle_removals; the 300 s that follow a probe turning cheap come on top; 0: probe once "
+                        "and go on)")
     p.add_argument("--skip-train", action="store_true")
     p.add_argument("--skip-rss", action="store_true", help="skip the per-method RSS peak saves")
     p.add_argument("--methods", default="", help="comma-separated subset (development)")

@@ -31,7 +31,8 @@ import sys
 import threading
 import time
 
-KINDS = ("none", "py_thread", "py_process", "files", "files_py", "files_syncfs", "files_new", "files_new_py", "files_new_process")
+KINDS = ("none", "py_thread", "py_process", "files", "files_py", "files_syncfs", "files_new", "files_new_py",
+         "files_new_process")
 
 
 def _nice_this_thread() -> None:
