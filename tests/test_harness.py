@@ -155,7 +155,8 @@ dist.destroy_process_group()
 
 _HANG_SCRIPT = """
 import os, time
-print("started", os.environ["RANK"], flush=True)
+# one write per rank: print's pieces of two ranks interleaved on the shared pipe ("startedstarted  01")
+os.write(1, f"<started {os.environ['RANK']}>\\n".encode())
 time.sleep(1000)
 """
 
@@ -177,7 +178,7 @@ def test_run_torchrun_kills_everything_on_timeout(tmp_path):
     script.write_text(_HANG_SCRIPT)
     with pytest.raises(subprocess.TimeoutExpired) as info:
         run_torchrun([str(script)], nproc=2, timeout=12)
-    assert "started 0" in (info.value.output or ""), "the workers should have started before the timeout"
+    assert "<started 0>" in (info.value.output or ""), "the workers should have started before the timeout"
     out = subprocess.run(["pgrep", "-f", str(script)], check=False, capture_output=True, text=True)
     assert out.stdout.strip() == "", f"left-over processes: {out.stdout}"
 
