@@ -213,33 +213,37 @@ def lower_thread_priority() -> None:
         pass
 
 
+class _SizedExecutor:
+    """A thread pool kept between saves and made anew, after its threads finish, when a save wants another size."""
+
+    def __init__(self, prefix: str):
+        self._prefix = prefix
+        self._pool: Optional[ThreadPoolExecutor] = None
+        self._size = 0
+
+    def sized(self, workers: int) -> ThreadPoolExecutor:
+        if self._pool is None or self._size != workers:
+            if self._pool is not None:
+                self._pool.shutdown(wait=True)
+            self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=self._prefix,
+                                            initializer=lower_thread_priority)
+            self._size = workers
+        return self._pool
+
+
 class WritePool:
     """The writer threads of one process: ``num_workers`` of them (resized to each save's), plus one for the
     small files on a local filesystem (``SMALL_WRITER``)."""
 
     def __init__(self):
-        self._pool: Optional[ThreadPoolExecutor] = None
-        self._size = 0
-        self._small: Optional[ThreadPoolExecutor] = None
-        self._small_size = 0
+        self._pool = _SizedExecutor("nxd_ckpt-write")
+        self._small = _SizedExecutor("nxd_ckpt-small")
 
     def _executor(self, workers: int) -> ThreadPoolExecutor:
-        if self._pool is None or self._size != workers:
-            if self._pool is not None:
-                self._pool.shutdown(wait=True)
-            self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="nxd_ckpt-write",
-                                            initializer=lower_thread_priority)
-            self._size = workers
-        return self._pool
+        return self._pool.sized(workers)
 
     def _small_writer(self) -> ThreadPoolExecutor:
-        if self._small is None or self._small_size != SMALL_WRITERS:
-            if self._small is not None:
-                self._small.shutdown(wait=True)
-            self._small_size = SMALL_WRITERS
-            self._small = ThreadPoolExecutor(max_workers=SMALL_WRITERS, thread_name_prefix="nxd_ckpt-small",
-                                             initializer=lower_thread_priority)
-        return self._small
+        return self._small.sized(SMALL_WRITERS)
 
     def write_all(self, tasks: TaskQueue, storage: Storage, workdir: str, workers: int,
                   overwrite: bool = False) -> WriteResult:
