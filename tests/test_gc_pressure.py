@@ -62,3 +62,21 @@ def test_a_pooled_host_copy_is_one_tensor_over_the_pooled_buffer():
     assert again.untyped_storage().data_ptr() == ptr and again.untyped_storage().nbytes() == 48
     assert again.shape == (3, 4) and again.dtype == torch.float32
     assert torch.equal(again, src)                         # the reused bytes, seen through the new tensor
+
+
+def test_a_buffer_taken_again_for_the_same_shape_comes_back_as_the_same_tensor():
+    pool = HostBufferPool(1 << 20, keep=True)
+    src = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    first = pool.empty_like(src)
+    pool.give_back([first])
+    assert pool.empty_like(src) is first                   # no new tensor object per file per save
+    pool.give_back([first])
+    other = pool.empty_like(torch.empty(2, 6, dtype=torch.int32))     # same 48 bytes, another shape and dtype
+    assert other is not first and other.shape == (2, 6) and other.dtype == torch.int32
+    assert other.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+    pool.give_back([other])
+    assert pool.empty_like(torch.empty(2, 6, dtype=torch.int32)) is other
+    pool.give_back([other])
+    pool.release()                                         # the buffer leaves the pool, and its tensor with it
+    fresh = pool.empty_like(torch.empty(2, 6, dtype=torch.int32))
+    assert fresh is not other and pool.allocated == 2
