@@ -65,7 +65,7 @@ class DcpStorageWriter(StorageWriter):
     written. Differences, invisible to readers: the zip CRC-32 fields are 0 (xser.write_tensor: nothing reads
     them, our CRC32C covers every byte), each file's size and CRC32C are taken as it is written (``records``),
     files are made durable together by the caller (each file's writeback is started as soon as it is written:
-    by the local sink for files of 1 MiB or more, else here with ``start_writeback``; a hint whose failure is
+    by the local sink where it does (``Storage.starts_writeback``), else here with ``start_writeback``; a hint whose failure is
     logged), and ``.metadata`` is written in place (the caller's
     ``done`` marker is the commit, not a rename). A joined tensor, once written, goes back to ``pool`` (a
     fullstate.BufferPool) for the next one. Called by dcp.save in one process; ``write_data`` blocks until
@@ -100,10 +100,10 @@ class DcpStorageWriter(StorageWriter):
             produce = lambda f: xser.write_tensor(data, f)  # noqa: E731
         rec = self.store.write_file(name, produce, durable=False, atomic=False)
         del produce
-        # The local sink already started the writeback of a file of WRITEBACK_MIN_BYTES or more as it closed
-        # it (storage/local.py): hint only the smaller ones here, so no file is hinted twice.
-        small = rec.size < _local.WRITEBACK_MIN_BYTES
-        local = self.store.local_path(name) if self._writeback is not None and small else None
+        # Hint only the files whose writeback the local sink has not started as it closed them (storage/local.py),
+        # so no file is hinted twice.
+        started = self.store.starts_writeback(rec.size)
+        local = self.store.local_path(name) if self._writeback is not None and not started else None
         if local is not None:
             self._writeback.submit(_local.start_writeback, local).add_done_callback(_log_writeback_error(local))
         if isinstance(data, torch.Tensor) and self.pool is not None:

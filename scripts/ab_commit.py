@@ -4,7 +4,8 @@ on bench.py's state: ``before`` against ``after``, everything else as nxd_ckpt d
 page cache is written back and dropped (bench.Cache), so each starts from a clean disk.
 
 Levers: ``writeback`` (no early writeback against ``sync_file_range`` WRITE as each file of
-``storage.local.WRITEBACK_MIN_BYTES`` or more is closed); ``createlock`` (local files created one at a time,
+``storage.local.WRITEBACK_MIN_BYTES`` or more is closed, ``storage.local.OWN_WRITEBACK`` off so that the threshold
+decides on every filesystem: ``--after 0`` is every file, the default on a local disk since session 19); ``createlock`` (local files created one at a time,
 ``storage.local.SERIAL_CREATE``: 1 against 0, concurrent creation); ``workers`` (``num_workers``, the writer threads:
 ``--before`` against ``--after``); ``nice`` (the background threads' niceness, ``writepool.BACKGROUND_NICE``: 10
 against 19); ``smallwriter`` (small files on a local filesystem written by one thread of their own,
@@ -51,6 +52,7 @@ def _set_lever(lever: str, after: bool, values: dict, kw: dict) -> None:
 
     value = values["after" if after else "before"]
     if lever == "writeback":
+        local.OWN_WRITEBACK = False
         local.WRITEBACK_MIN_BYTES = value
     elif lever == "workers":
         kw["num_workers"] = value

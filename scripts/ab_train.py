@@ -15,7 +15,12 @@
 - ``no_direct``: every file written through the page cache (``storage.local.DIRECT_WRITES = False``);
 - ``no_huge``: the direct writes' bounce buffers in small pages (``storage.local.HUGE_BOUNCES = False``);
 - ``no_early_sync``: no ``syncfs`` started while small files are written (``writepool.EARLY_SYNC_BYTES``), only the
-  durability batch's.
+  durability batch's;
+- ``no_own_writeback``: only files of 1 MiB or more start their writeback as their writer closes them
+  (``storage.local.OWN_WRITEBACK = False``, what nxd_ckpt did before session 19); the smaller ones are written back
+  by the kernel's flusher threads at niceness 0 instead of by the save's threads at +19. (Session 19 measured it
+  as ``kept`` against ``writeback_all``, every file's writeback started by its writer, which is now the default:
+  ``bench_out/ab_train_writeback_all_5000.json``.)
 
 Every result is printed in run order too, so a lasting effect (one variant changing every later round) shows.
 
@@ -50,12 +55,14 @@ def main() -> int:
 
     default_nice = writepool.BACKGROUND_NICE
     default_early_sync = writepool.EARLY_SYNC_BYTES
+    default_own_writeback = local.OWN_WRITEBACK
 
     def prep(variant: str) -> None:
         bench.renice_background(int(variant[len("nice"):]) if variant.startswith("nice") else default_nice)
         writepool.SMALL_WRITER = variant != "no_small_writer"
         local.DIRECT_WRITES = variant != "no_direct"
         writepool.EARLY_SYNC_BYTES = 1 << 62 if variant == "no_early_sync" else default_early_sync
+        local.OWN_WRITEBACK = default_own_writeback and variant != "no_own_writeback"
         if local.HUGE_BOUNCES != (variant != "no_huge"):
             local.BOUNCES.release()     # the next bounce buffers are made the other way
         local.HUGE_BOUNCES = variant != "no_huge"

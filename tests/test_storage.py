@@ -169,9 +169,17 @@ def test_posix_staging_write_is_in_place_and_synced_in_batch(tmp_path):
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="sync_file_range is Linux-only")
-def test_posix_batch_files_of_a_megabyte_start_their_writeback_as_they_are_closed(tmp_path, monkeypatch):
-    """A file written for the batch sync (durable=False) of WRITEBACK_MIN_BYTES or more has its writeback
-    started on its own descriptor before it is closed; smaller ones, and files synced at once, do not."""
+@pytest.mark.parametrize("fs_type, own, small_started", [
+    (0xEF53, True, True),       # ext4: every file, by its writer at the save's niceness
+    (0x58465342, True, True),   # xfs
+    (0xEF53, False, False),     # OWN_WRITEBACK off: files of WRITEBACK_MIN_BYTES or more only
+    (0x01021994, True, False),  # tmpfs: no disk behind it, large files only (as before)
+    (0x6969, True, False),      # NFS: large files only
+])
+def test_batch_files_start_their_writeback_as_they_are_closed(tmp_path, monkeypatch, fs_type, own, small_started):
+    """A file written for the batch sync (durable=False) has its writeback started on its own descriptor before
+    it is closed: every file on a disk of this host (OWN_WRITEBACK), else files of WRITEBACK_MIN_BYTES or more;
+    never a file synced at once. ``starts_writeback`` says the same, so DCP's writer does not hint them again."""
     from nxd_ckpt.storage import local
 
     started = []
@@ -182,14 +190,19 @@ def test_posix_batch_files_of_a_megabyte_start_their_writeback_as_they_are_close
         return real(fd)
 
     monkeypatch.setattr(local, "_start_writeback_fd", spy)
+    monkeypatch.setattr(local, "_filesystem_type", lambda p: fs_type)
+    monkeypatch.setattr(local, "OWN_WRITEBACK", own)
     s = LocalStorage(str(tmp_path))
     big = os.urandom(local.WRITEBACK_MIN_BYTES)
     s.write_file("stage/big", lambda f: f.write(big), durable=False, atomic=False)
     s.write_file("stage/small", lambda f: f.write(big[:-1]), durable=False, atomic=False)
     s.write_file("synced", lambda f: f.write(big))
     s.sync_files(["stage/big", "stage/small"])
-    assert started == [str(tmp_path / "stage" / "big")]
+    want = [str(tmp_path / "stage" / "big")] + ([str(tmp_path / "stage" / "small")] if small_started else [])
+    assert started == want
+    assert s.starts_writeback(len(big)) and s.starts_writeback(len(big) - 1) == small_started
     assert (tmp_path / "stage" / "big").read_bytes() == big and (tmp_path / "synced").read_bytes() == big
+    assert (tmp_path / "stage" / "small").read_bytes() == big[:-1]
     fd = os.open(__file__, os.O_RDONLY)
     try:
         assert real(fd) is True        # available on this kernel (else the lever would silently do nothing)

@@ -351,6 +351,12 @@ class Storage(ABC):
         waits on the network, so small files are written by all the writer threads at once."""
         return False
 
+    def starts_writeback(self, size: int) -> bool:
+        """Whether a file of ``size`` bytes written for a later batched sync (``durable=False``) has its writeback
+        to the disk started by the writer as it closes it (``sync_file_range``), so a caller need not hint it
+        again. False here (object stores: nothing to write back)."""
+        return False
+
     def reads_direct(self, size: int) -> bool:
         """Whether a file of ``size`` bytes is read here fastest past the page cache (``read_direct``): on a disk
         of this host, for a large file whose bytes go into memory that is reused (the load's ``ReadBuffers``).
