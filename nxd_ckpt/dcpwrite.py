@@ -65,8 +65,8 @@ class DcpStorageWriter(StorageWriter):
     written. Differences, invisible to readers: the zip CRC-32 fields are 0 (xser.write_tensor: nothing reads
     them, our CRC32C covers every byte), each file's size and CRC32C are taken as it is written (``records``),
     files are made durable together by the caller (each file's writeback is started as soon as it is written:
-    by the local sink where it does (``Storage.starts_writeback``), else here with ``start_writeback``; a hint whose failure is
-    logged), and ``.metadata`` is written in place (the caller's
+    by the local sink where it does, ``Storage.starts_writeback``, else here with ``start_writeback``; a hint
+    whose failure is logged), and ``.metadata`` is written in place (the caller's
     ``done`` marker is the commit, not a rename). A joined tensor, once written, goes back to ``pool`` (a
     fullstate.BufferPool) for the next one. Called by dcp.save in one process; ``write_data`` blocks until
     every file is written."""
