@@ -80,6 +80,7 @@ def save_checkpoint(checkpoint_dir_str, tag, model=None, optimizer=None, schedul
     root = check_location(checkpoint_dir_str)
     storage = open_storage(root, timeout_s=timeout_s, workers=num_workers)
     storage.check_writable("checkpoint_dir")
+    storage.beside_training = async_save
     if host_memory_budget is not None and (not isinstance(host_memory_budget, int) or host_memory_budget <= 0):
         raise CheckpointArgumentError(f"host_memory_budget must be a positive number of bytes, got {host_memory_budget!r}")
     if not isinstance(keep_host_buffers, bool):

@@ -169,17 +169,20 @@ def test_posix_staging_write_is_in_place_and_synced_in_batch(tmp_path):
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="sync_file_range is Linux-only")
-@pytest.mark.parametrize("fs_type, own, small_started", [
-    (0xEF53, True, True),       # ext4: every file, by its writer at the save's niceness
-    (0x58465342, True, True),   # xfs
-    (0xEF53, False, False),     # OWN_WRITEBACK off: files of WRITEBACK_MIN_BYTES or more only
-    (0x01021994, True, False),  # tmpfs: no disk behind it, large files only (as before)
-    (0x6969, True, False),      # NFS: large files only
+@pytest.mark.parametrize("fs_type, own, beside, small_started", [
+    (0xEF53, True, True, True),         # ext4, an async save: every file, by its writer at the save's niceness
+    (0x58465342, True, True, True),     # xfs
+    (0xEF53, True, False, False),       # a save the caller waits for, an offline tool: large files only
+    (0xEF53, False, True, False),       # OWN_WRITEBACK off: files of WRITEBACK_MIN_BYTES or more only
+    (0x01021994, True, True, False),    # tmpfs: no disk behind it, large files only (as before)
+    (0x6969, True, True, False),        # NFS: large files only
 ])
-def test_batch_files_start_their_writeback_as_they_are_closed(tmp_path, monkeypatch, fs_type, own, small_started):
+def test_batch_files_start_their_writeback_as_they_are_closed(tmp_path, monkeypatch, fs_type, own, beside,
+                                                              small_started):
     """A file written for the batch sync (durable=False) has its writeback started on its own descriptor before
-    it is closed: every file on a disk of this host (OWN_WRITEBACK), else files of WRITEBACK_MIN_BYTES or more;
-    never a file synced at once. ``starts_writeback`` says the same, so DCP's writer does not hint them again."""
+    it is closed: during an async save on a disk of this host every file (OWN_WRITEBACK), else files of
+    WRITEBACK_MIN_BYTES or more; never a file synced at once. ``starts_writeback`` says the same, so DCP's writer
+    does not hint them again."""
     from nxd_ckpt.storage import local
 
     started = []
@@ -193,6 +196,7 @@ def test_batch_files_start_their_writeback_as_they_are_closed(tmp_path, monkeypa
     monkeypatch.setattr(local, "_filesystem_type", lambda p: fs_type)
     monkeypatch.setattr(local, "OWN_WRITEBACK", own)
     s = LocalStorage(str(tmp_path))
+    s.beside_training = beside
     big = os.urandom(local.WRITEBACK_MIN_BYTES)
     s.write_file("stage/big", lambda f: f.write(big), durable=False, atomic=False)
     s.write_file("stage/small", lambda f: f.write(big[:-1]), durable=False, atomic=False)
@@ -208,6 +212,26 @@ def test_batch_files_start_their_writeback_as_they_are_closed(tmp_path, monkeypa
         assert real(fd) is True        # available on this kernel (else the lever would silently do nothing)
     finally:
         os.close(fd)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="sync_file_range is Linux-only")
+@pytest.mark.parametrize("async_save", [True, False])
+def test_only_an_async_save_starts_the_writeback_of_its_small_files(tmp_path, monkeypatch, async_save):
+    """save_checkpoint marks its storage ``beside_training`` when async: then each small tensor file's writeback
+    is started by its writer; a synchronous save leaves small files to the batch's sync (the caller waits)."""
+    from nxd_ckpt.storage import local
+
+    started = []
+    monkeypatch.setattr(local, "_start_writeback_fd", lambda fd: started.append(os.readlink(f"/proc/self/fd/{fd}")))
+    monkeypatch.setattr(local, "_filesystem_type", lambda p: 0xEF53)
+    model = {"w": torch.arange(6.0), "b": torch.ones(3)}
+    nxd_ckpt.save_checkpoint(str(tmp_path), "t", model=model, async_save=async_save, use_xser=True)
+    nxd_ckpt.finalize_checkpoint()
+    tensor_files = sorted(os.path.basename(p) for p in started if ".tensors/" in p)
+    assert tensor_files == (["tensor_0.pt", "tensor_1.pt"] if async_save else [])
+    got = {}
+    nxd_ckpt.load_checkpoint(str(tmp_path), "t", model=got, strict=False)
+    assert torch.equal(got["w"], model["w"]) and torch.equal(got["b"], model["b"])
 
 
 def _count_syncs(monkeypatch):

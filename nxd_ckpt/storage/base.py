@@ -351,6 +351,11 @@ class Storage(ABC):
         waits on the network, so small files are written by all the writer threads at once."""
         return False
 
+    #: Set by an async save on the storage it writes through: its files are written beside the training, where the
+    #: kernel's work for them is best done by the save's own threads at their low priority
+    #: (``LocalStorage.starts_writeback``). A save the caller waits for, and the offline tools, leave it False.
+    beside_training = False
+
     def starts_writeback(self, size: int) -> bool:
         """Whether a file of ``size`` bytes written for a later batched sync (``durable=False``) has its writeback
         to the disk started by the writer as it closes it (``sync_file_range``), so a caller need not hint it

@@ -42,13 +42,14 @@ _CREATE = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0)
 #: files are written instead of all of it in the final ``sync_files``. Smaller files are left to that sync (a
 #: system call each would cost more than it overlaps), except on a disk of this host (``OWN_WRITEBACK``).
 WRITEBACK_MIN_BYTES = 1 << 20
-#: On a disk of this host (ext4, xfs, btrfs: ``_DIRECT_FS_TYPES``) every file written for a later batched sync has
-#: its writeback started as it is closed, whatever its size: the writeback's kernel work (block allocation,
-#: submitting the pages) is then done by the save's writer threads at niceness +19 instead of by the kernel's
-#: flusher threads at niceness 0 beside the training. Measured at 0.5 GB / 5,000 tensors: training time lost per
-#: save 0.14 against 0.23 s, the same host CPU, a commit 12% longer, and that CPU counted in the process's
-#: (README "Levers measured"). False: only files of WRITEBACK_MIN_BYTES or more (the A/B variant
-#: ``no_own_writeback`` of scripts/ab_train.py).
+#: During an async save (``Storage.beside_training``) on a disk of this host (ext4, xfs, btrfs: ``_DIRECT_FS_TYPES``)
+#: every file written for a later batched sync has its writeback started as it is closed, whatever its size: the
+#: writeback's kernel work (block allocation, submitting the pages) is then done by the save's writer threads at
+#: niceness +19 instead of by the kernel's flusher threads at niceness 0 beside the training. Measured at 0.5 GB /
+#: 5,000 tensors: training time lost per save 0.14 against 0.23 s, the same host CPU, a longer commit, and that CPU
+#: counted in the process's (README "Levers measured"). Not for a save the caller waits for, whose commit it
+#: only lengthens. False: only files of WRITEBACK_MIN_BYTES or more (the A/B variant ``no_own_writeback`` of
+#: scripts/ab_train.py).
 OWN_WRITEBACK = True
 
 #: On a local filesystem the writer threads create their files one at a time (see ``LocalStorage._sink``);
@@ -568,12 +569,14 @@ class LocalStorage(Storage):
                 and self._filesystem in _DIRECT_FS_TYPES)
 
     def starts_writeback(self, size: int) -> bool:
-        """Every file on a disk of this host (``OWN_WRITEBACK``); elsewhere files of WRITEBACK_MIN_BYTES or more (a
-        hint per small file was not measured on tmpfs, which has no disk, nor on network filesystems)."""
+        """Every file on a disk of this host during an async save (``OWN_WRITEBACK``); otherwise files of
+        WRITEBACK_MIN_BYTES or more (a hint per small file was not measured on tmpfs, which has no disk, nor on
+        network filesystems)."""
         return size >= self._writeback_min()
 
     def _writeback_min(self) -> int:
-        return 0 if OWN_WRITEBACK and self._filesystem in _DIRECT_FS_TYPES else WRITEBACK_MIN_BYTES
+        own = OWN_WRITEBACK and self.beside_training and self._filesystem in _DIRECT_FS_TYPES
+        return 0 if own else WRITEBACK_MIN_BYTES
 
     def reads_direct(self, size: int) -> bool:
         """Whether a file of ``size`` bytes is read with O_DIRECT (``read_direct``): at DIRECT_MIN_BYTES or more,
