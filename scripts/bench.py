@@ -676,7 +676,7 @@ class Bench:
         tag = f"step_{self.counter}"
         f = minor_faults()
         g = full_collections()
-        c = cpu_time()
+        c, h = cpu_time(), host_cpu_time()
         t = time.perf_counter()
         nxd_ckpt.save_checkpoint(root, tag, async_save=async_save, device_snapshot=device_snapshot,
                                  **self.save_kwargs())
@@ -688,6 +688,7 @@ class Bench:
         c_all = cpu_time() - c
         out = {"stall_s": stall, "finalize_s": finalized, "stall_page_faults_mb": faults * 4096 / MB,
                "cpu_s_per_gb": self.per_gb(c_all), "stall_cpu_s_per_gb": self.per_gb(c_stall),
+               "host_cpu_s_per_gb": self.per_gb(host_cpu_time() - h),
                "full_collections": full_collections() - g}
         st = nxd_ckpt.save_stats()[-1]
         assert st.get("ok", True) and st["tag"] == tag, st
@@ -772,23 +773,24 @@ class Bench:
 
         base = self.fresh("xser")
         path = os.path.join(base, "model.pt")
-        c = cpu_time()
+        c, h = cpu_time(), host_cpu_time()
         t = time.perf_counter()
         xs.save(self.whole(), path)
         fsync_tree(path)
         fsync_tree(path + ".tensors")
         stall = time.perf_counter() - t
-        cpu = self.per_gb(cpu_time() - c)
+        cpu, host_cpu = self.per_gb(cpu_time() - c), self.per_gb(host_cpu_time() - h)
         loaded, load_s, load_cpu = self._timed_load(base, lambda: xs.load(path))
         if check:
             self._check(loaded)
         del loaded
-        return {"stall_s": stall, "cpu_s_per_gb": cpu, "load_s": load_s, "load_cpu_s_per_gb": load_cpu}
+        return {"stall_s": stall, "cpu_s_per_gb": cpu, "host_cpu_s_per_gb": host_cpu, "load_s": load_s,
+                "load_cpu_s_per_gb": load_cpu}
 
     def m_torch_save(self, check):
         base = self.fresh("torch_save")
         path = os.path.join(base, "model.pt")
-        c = cpu_time()
+        c, h = cpu_time(), host_cpu_time()
         t = time.perf_counter()
         host = self.host_copy()
         with open(path, "wb") as f:
@@ -797,20 +799,21 @@ class Bench:
             os.fsync(f.fileno())
         fsync_tree(path)
         stall = time.perf_counter() - t
-        cpu = self.per_gb(cpu_time() - c)
+        cpu, host_cpu = self.per_gb(cpu_time() - c), self.per_gb(host_cpu_time() - h)
         del host
         loaded, load_s, load_cpu = self._timed_load(base, lambda: torch.load(path, weights_only=True))
         if check:
             self._check(loaded)
         del loaded
-        return {"stall_s": stall, "cpu_s_per_gb": cpu, "load_s": load_s, "load_cpu_s_per_gb": load_cpu}
+        return {"stall_s": stall, "cpu_s_per_gb": cpu, "host_cpu_s_per_gb": host_cpu, "load_s": load_s,
+                "load_cpu_s_per_gb": load_cpu}
 
     def m_dcp_async(self, check):
         import torch.distributed.checkpoint as dcp
 
         base = self.fresh("dcp")
         path = os.path.join(base, "ckpt")
-        c = cpu_time()
+        c, h = cpu_time(), host_cpu_time()
         t = time.perf_counter()
         host = self.host_copy()
         fut = dcp.async_save(host, checkpoint_id=path, no_dist=True)
@@ -821,7 +824,7 @@ class Bench:
         fut.result()
         commit = time.perf_counter() - t
         return {"stall_s": stall, "commit_s": commit, "cpu_s_per_gb": self.per_gb(cpu_time() - c),
-                "stall_cpu_s_per_gb": self.per_gb(c_stall)}
+                "stall_cpu_s_per_gb": self.per_gb(c_stall), "host_cpu_s_per_gb": self.per_gb(host_cpu_time() - h)}
 
     # training-loop interference
     def train_step_slowdown(self):
@@ -1148,7 +1151,8 @@ def run(args) -> dict:
                             "os.open/os.readv/os.close into fresh host tensors; files_read_cpu_s_per_gb: its CPU",
             "cpu_s_per_gb": "process CPU time (every thread, user + system, getrusage) from the call to commit (sync "
                             "methods: to return) per GB saved; stall_cpu_s_per_gb: during the call only; "
-                            "load_cpu_s_per_gb: of the load",
+                            "load_cpu_s_per_gb: of the load; host_cpu_s_per_gb: every core of the host (/proc/stat), "
+                            "the kernel's writeback threads included, from the call to commit",
             "train_time_lost_s": "derived (bench.train_time_lost): training_steps during the save x (step time "
                                  "during - without), median over the runs",
             "train_step_slowdown": "median step time of a small XLA training loop while an async save runs, over "
@@ -1356,7 +1360,8 @@ def print_table(r: dict) -> None:
           f"{lim['disk_write_parallel_gbps']:.3f} GB/s, {w}-thread read {lim['disk_read_parallel_gbps']:.3f} GB/s; "
           f"one stream: write+fsync {lim['disk_write_gbps']:.3f} GB/s, read {lim['disk_read_gbps']:.3f} GB/s")
     cols = (("stall_s", 3), ("commit_s", 3), ("GB/s", 3), ("load_s", 3), ("cpu_s_per_gb", 2),
-            ("stall_cpu_s_per_gb", 2), ("load_cpu_s_per_gb", 2), ("stall_page_faults_mb", 0), ("host_rss_peak_mb", 0))
+            ("stall_cpu_s_per_gb", 2), ("host_cpu_s_per_gb", 2), ("load_cpu_s_per_gb", 2), ("stall_page_faults_mb", 0),
+            ("host_rss_peak_mb", 0))
     print(f"{'method':<32}" + "".join(f"{c:>{max(10, len(c) + 1)}}" for c, _ in cols))
     for name, v in r["methods"].items():
         c = v.get("commit_s")
@@ -1381,13 +1386,13 @@ def markdown(r: dict) -> str:
              f"after a warm-up (medians), 1-minute load average during the run {min(la):.0f} to {max(la):.0f} "
              f"(median {statistics.median(la):.0f}) on {r['environment']['cpus']} CPUs, git {r['environment']['git']}",
              "",
-             "| method | stall s | commit s | load s | CPU-s/GB (save) | of which in the stall | CPU-s/GB (load) | "
-             "stall page faults MB | host RSS peak MB |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| method | stall s | commit s | load s | CPU-s/GB (save) | of which in the stall | host CPU-s/GB (save) | "
+             "CPU-s/GB (load) | stall page faults MB | host RSS peak MB |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for name, v in r["methods"].items():
         lines.append(f"| `{name}` | {f(v.get('stall_s'))} | {f(v.get('commit_s'))} | {f(v.get('load_s'))} | "
                      f"{f(v.get('cpu_s_per_gb'), 2)} | {f(v.get('stall_cpu_s_per_gb'), 2)} | "
-                     f"{f(v.get('load_cpu_s_per_gb'), 2)} | {f(v.get('stall_page_faults_mb'), 0)} | "
+                     f"{f(v.get('host_cpu_s_per_gb'), 2)} | {f(v.get('load_cpu_s_per_gb'), 2)} | {f(v.get('stall_page_faults_mb'), 0)} | "
                      f"{f(v.get('host_rss_peak_mb'), 0)} |")
     kept = "Every save in a folder of its own, all removed at the end (`--keep-tags`). " \
         if r.get("config", {}).get("keep_tags") else ""
