@@ -41,7 +41,6 @@ import time
 
 KINDS = ("none", "py_thread", "py_process", "files", "files_py", "files_syncfs", "files_new", "files_new_py",
          "files_new_process", "files_new_syncfs", "files_new_range")
-_SYNC_FILE_RANGE_WRITE = 2
 _written = [0]      # files written by the writer thread of the current round
 
 
@@ -55,6 +54,8 @@ def _files(stop: threading.Event, folder: str, python_us: float, sync_every: int
     folder = os.path.join(folder, str(time.time_ns()))    # a new folder each time: new files are new
     os.makedirs(folder)
     data, i = b"x" * 100_000, 0
+    if own_writeback:   # the library's own call, as a save makes it
+        from nxd_ckpt.storage.local import _start_writeback_fd
     libc = ctypes.CDLL(None, use_errno=True)
     anchor = os.open(folder, os.O_RDONLY)
     try:
@@ -65,7 +66,7 @@ def _files(stop: threading.Event, folder: str, python_us: float, sync_every: int
             fd = os.open(f"{folder}/f{i if new else i % 5000}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             os.write(fd, data)
             if own_writeback:
-                libc.sync_file_range(fd, ctypes.c_int64(0), ctypes.c_int64(0), _SYNC_FILE_RANGE_WRITE)
+                _start_writeback_fd(fd)
             os.close(fd)
             i += 1
             _written[0] += 1
