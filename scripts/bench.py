@@ -577,7 +577,9 @@ def limit_files(folder: str, sizes: list, cache: Cache, threads: int, remove: bo
     """The machine's per-file floor for one file set: ``len(sizes)`` files of those sizes, written by ``threads``
     threads with os.open/os.write/os.close into one folder, made durable with one syncfs and a folder fsync;
     then (page cache dropped) read back by ``threads`` threads with os.open/os.readv into fresh host
-    tensors/os.close. Wall seconds and process CPU seconds (every thread, user + system) of each phase."""
+    tensors/os.close. Wall seconds and process CPU seconds (every thread, user + system) of each phase, and the
+    host's CPU seconds of the write (``/proc/stat``: the kernel's writeback threads, which ``syncfs`` hands the
+    dirty pages to, included)."""
     from concurrent.futures import ThreadPoolExecutor
 
     from nxd_ckpt.storage.local import _syncfs
@@ -593,7 +595,7 @@ def limit_files(folder: str, sizes: list, cache: Cache, threads: int, remove: bo
         list(pool.map(lambda i: None, range(threads)))      # the threads exist before the clock starts
         trim_heap()
         cache.drop(folder)
-        c, t = cpu_time(), time.perf_counter()
+        c, h, t = cpu_time(), host_cpu_time(), time.perf_counter()
         list(pool.map(write, range(len(sizes))))
         dfd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
         try:
@@ -601,7 +603,8 @@ def limit_files(folder: str, sizes: list, cache: Cache, threads: int, remove: bo
             os.fsync(dfd)
         finally:
             os.close(dfd)
-        out = {"write_s": time.perf_counter() - t, "write_cpu_s": cpu_time() - c}
+        out = {"write_s": time.perf_counter() - t, "write_cpu_s": cpu_time() - c,
+               "write_host_cpu_s": host_cpu_time() - h}
         cache.drop(folder)
         trim_heap()
         c, t = cpu_time(), time.perf_counter()
@@ -1004,7 +1007,7 @@ def run(args) -> dict:
            "write_parallel_s": [], "read_parallel_s": [], "d2h_batched_page_faults_mb": [],
            "d2h_chunked_page_faults_mb": [], "d2h_batched_cpu_s_per_gb": [], "h2d_cpu_s_per_gb": [],
            "d2h_chunked_cpu_s_per_gb": [], "files_write_s": [], "files_write_cpu_s_per_gb": [], "files_read_s": [],
-           "files_read_cpu_s_per_gb": []}
+           "files_read_cpu_s_per_gb": [], "files_write_host_cpu_s_per_gb": []}
     res = {m: {} for m in methods}
     probe = os.path.join(b.dir, "disk_probe.bin")
     for rnd in range(args.repeat + 1):
@@ -1052,6 +1055,7 @@ def run(args) -> dict:
             for k in ("write", "read"):
                 lim[f"files_{k}_s"].append(fl[f"{k}_s"])
                 lim[f"files_{k}_cpu_s_per_gb"].append(b.per_gb(fl[f"{k}_cpu_s"]))
+            lim["files_write_host_cpu_s_per_gb"].append(b.per_gb(fl["write_host_cpu_s"]))
         print(f"  round {rnd}: limits d2h={d2h:.3f} ({d2h_faults * 4096 / MB:.0f} MB faulted) "
               f"d2h_chunked={d2hc:.3f} ({d2hc_faults * 4096 / MB:.0f} MB faulted) h2d={h2d:.3f} write={w:.3f} "
               f"write_parallel={wp:.3f} read={r:.3f} read_parallel={rp:.3f} files_write={fl['write_s']:.3f} "
@@ -1073,6 +1077,7 @@ def run(args) -> dict:
               "files_source": "nxd_ckpt's first save" if b.file_set else "one file per tensor",
               "files_write_s": med(lim["files_write_s"]),
               "files_write_cpu_s_per_gb": med(lim["files_write_cpu_s_per_gb"]),
+              "files_write_host_cpu_s_per_gb": med(lim["files_write_host_cpu_s_per_gb"]),
               "files_read_s": med(lim["files_read_s"]),
               "files_read_cpu_s_per_gb": med(lim["files_read_cpu_s_per_gb"]),
               "samples": lim}
@@ -1146,7 +1151,8 @@ def run(args) -> dict:
             "files_write_s": "per-file floor: files_n files of the sizes of nxd_ckpt's files (files_source), "
                              "written by num_workers threads with os.open/os.write/os.close, then one syncfs and "
                              "a folder fsync, measured after the methods of each round; files_write_cpu_s_per_gb: "
-                             "process CPU time of that, per GB of state",
+                             "process CPU time of that, per GB of state; files_write_host_cpu_s_per_gb: the host's "
+                             "(/proc/stat), the kernel's writeback threads included",
             "files_read_s": "those files read back (page cache dropped) by num_workers threads with "
                             "os.open/os.readv/os.close into fresh host tensors; files_read_cpu_s_per_gb: its CPU",
             "cpu_s_per_gb": "process CPU time (every thread, user + system, getrusage) from the call to commit (sync "
@@ -1328,8 +1334,8 @@ def file_floor_text(r: dict) -> str:
         return ""
     text = (f"Per-file floor for the same {lim['files_n']} files ({lim['files_source']}): {w} threads "
             f"os.open/write/close + one syncfs {lim['files_write_s']:.3f} s ({nb / lim['files_write_s'] / GB:.2f} "
-            f"GB/s, {lim['files_write_cpu_s_per_gb']:.2f} CPU-s/GB), read back with os.open/readv/close "
-            f"{lim['files_read_s']:.3f} s ({lim['files_read_cpu_s_per_gb']:.2f} CPU-s/GB)")
+            f"GB/s, {lim['files_write_cpu_s_per_gb']:.2f} CPU-s/GB{_host_text(lim)}), read back with "
+            f"os.open/readv/close {lim['files_read_s']:.3f} s ({lim['files_read_cpu_s_per_gb']:.2f} CPU-s/GB)")
     a = r["methods"].get("nxd_ckpt_async")
     if a:
         after = a["cpu_s_per_gb"] - a["stall_cpu_s_per_gb"]
@@ -1339,7 +1345,16 @@ def file_floor_text(r: dict) -> str:
                  f"{a['load_s'] / (lim['files_read_s'] + lim['h2d_s']):.2f}x its read + host-to-device time and "
                  f"{a['load_cpu_s_per_gb'] / (lim['files_read_cpu_s_per_gb'] + lim['h2d_cpu_s_per_gb']):.2f}x "
                  "their CPU")
+        if lim.get("files_write_host_cpu_s_per_gb") and a.get("host_cpu_s_per_gb") is not None:  # 0: below a tick
+            text += (f"; the host's CPU for the whole save (the snapshot's copy included) "
+                     f"{a['host_cpu_s_per_gb'] / lim['files_write_host_cpu_s_per_gb']:.2f}x the floor's write")
     return text + "."
+
+
+def _host_text(lim: dict) -> str:
+    """', host H' (the host's CPU-s/GB of the floor's write, writeback threads included) when measured."""
+    h = lim.get("files_write_host_cpu_s_per_gb")
+    return f" of the process, {h:.2f} of the host" if h is not None else ""
 
 
 def _num(x, width=10, digits=3):

@@ -65,6 +65,8 @@ def test_bench_tiny_run_writes_complete_json(tmp_path):
     # the per-file floor writes the file set of nxd_ckpt's own save: a file per tensor plus its metadata files
     assert r["limits"]["files_source"] == "nxd_ckpt's first save" and r["limits"]["files_n"] > 20
     assert r["limits"]["files_bytes"] > r["bytes"]
+    # the host's CPU of that write, counted in scheduler ticks: a tiny run can fall under one
+    _sane(r["limits"]["files_write_host_cpu_s_per_gb"], "limits.files_write_host_cpu_s_per_gb", allow_zero=True)
     g = r["rss_growth"]
     assert g["saves"] == 3 and g["rss_first_mb"] > 0 and g["rss_last_mb"] > 0
     assert g["live_before_mb"] > 0 and g["live_after_mb"] > 0
@@ -160,7 +162,7 @@ def test_limit_files_writes_and_reads_back_exactly_that_file_set(tmp_path, monke
     out = bench.limit_files(str(folder), sizes, cache, threads=3)
     assert sorted(os.path.basename(p) for p in written) == [f"f{i}" for i in range(len(sizes))]
     assert sum(read) == sum(sizes)
-    for k in ("write_s", "write_cpu_s", "read_s", "read_cpu_s"):
+    for k in ("write_s", "write_cpu_s", "write_host_cpu_s", "read_s", "read_cpu_s"):
         assert math.isfinite(out[k]) and out[k] >= 0, (k, out)
     assert out["write_s"] > 0 and out["read_s"] > 0
     assert not folder.exists()
@@ -187,6 +189,15 @@ def test_file_floor_sentence_states_the_floor_and_the_ratios():
     assert targets["extra_load_vs_file_floor"] == (1.0, pytest.approx(1.2 * 0.5), False)
     assert targets["extra_load_cpu_vs_file_floor"] == (0.5, pytest.approx(0.25), False)
     assert bench.file_floor_text({"bytes": 1, "limits": {}, "config": {"num_workers": 8}, "methods": {}}) == ""
+    # with the host's CPU of the floor's write (writeback threads included) and of the save
+    lim["files_write_host_cpu_s_per_gb"] = 0.5
+    r["methods"]["nxd_ckpt_async"]["host_cpu_s_per_gb"] = 1.0
+    assert bench.file_floor_text(r) == (
+        "Per-file floor for the same 305 files (nxd_ckpt's first save): 8 threads os.open/write/close + one syncfs "
+        "0.500 s (2.00 GB/s, 0.30 CPU-s/GB of the process, 0.50 of the host), read back with os.open/readv/close "
+        "0.400 s (0.20 CPU-s/GB); `nxd_ckpt_async` spends 0.60 CPU-s/GB after the call, 2.00x the floor's write "
+        "CPU, commit 2.00x its write time, load 2.00x its read + host-to-device time and 2.00x their CPU; the "
+        "host's CPU for the whole save (the snapshot's copy included) 2.00x the floor's write.")
 
 
 def test_markdown_of_an_s3_run_prints_its_table(tmp_path, capsys):
