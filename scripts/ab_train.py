@@ -21,6 +21,9 @@
   by the kernel's flusher threads at niceness 0 instead of by the save's threads at +19. (Session 19 measured it
   as ``kept`` against ``writeback_all``, every file's writeback started by its writer, which is now the default:
   ``bench_out/ab_train_writeback_all_5000.json``.)
+- ``flushers_nice19``: ``no_own_writeback`` on a host whose kernel flusher threads run at niceness 19 (the
+  ``writeback`` workqueue's ``nice`` in sysfs, a host setting; root only, put back after the run): whether a tuned
+  host gets the step time of the save's own writeback without moving the kernel's work into the process.
 
 Every result is printed in run order too, so a lasting effect (one variant changing every later round) shows.
 
@@ -57,12 +60,15 @@ def main() -> int:
     default_early_sync = writepool.EARLY_SYNC_BYTES
     default_own_writeback = local.OWN_WRITEBACK
 
+    flusher_nice = _FlusherNice()
+
     def prep(variant: str) -> None:
+        flusher_nice.set(19 if variant == "flushers_nice19" else None)
         bench.renice_background(int(variant[len("nice"):]) if variant.startswith("nice") else default_nice)
         writepool.SMALL_WRITER = variant != "no_small_writer"
         local.DIRECT_WRITES = variant != "no_direct"
         writepool.EARLY_SYNC_BYTES = 1 << 62 if variant == "no_early_sync" else default_early_sync
-        local.OWN_WRITEBACK = default_own_writeback and variant != "no_own_writeback"
+        local.OWN_WRITEBACK = default_own_writeback and variant not in ("no_own_writeback", "flushers_nice19")
         if local.HUGE_BOUNCES != (variant != "no_huge"):
             local.BOUNCES.release()     # the next bounce buffers are made the other way
         local.HUGE_BOUNCES = variant != "no_huge"
@@ -85,13 +91,37 @@ def main() -> int:
         print(f"  round {rnd} {variant}: {out}", flush=True)
         return out
 
-    res, loads = bench.alternate(tuple(args.variants.split(",")), one, args.rounds)
+    try:
+        res, loads = bench.alternate(tuple(args.variants.split(",")), one, args.rounds)
+    finally:
+        flusher_nice.set(None)
     b.cleanup()
     out = {"bytes": b.bytes, "tensors": args.tensors, "rounds": args.rounds, "settle_removals": b.settled,
            "load1": loads, "order": order,
            "median": bench.medians(res), "runs": res}
     bench.print_json(out, args.out)
     return 0
+
+
+class _FlusherNice:
+    """The niceness of the kernel's writeback workqueue (its flusher threads), set for a variant and put back."""
+
+    PATH = "/sys/devices/virtual/workqueue/writeback/nice"
+
+    def __init__(self):
+        self._original = None
+
+    def set(self, nice) -> None:
+        """``nice``: the value for the next round; None puts back the value found first (if one was changed)."""
+        if nice is None and self._original is None:
+            return
+        if self._original is None:
+            with open(self.PATH) as f:
+                self._original = int(f.read())
+        with open(self.PATH, "w") as f:      # root only: PermissionError tells the caller to use another variant
+            f.write(f"{self._original if nice is None else nice}\n")
+        if nice is None:
+            self._original = None
 
 
 if __name__ == "__main__":
