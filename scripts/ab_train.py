@@ -21,6 +21,10 @@
   by the kernel's flusher threads at niceness 0 instead of by the save's threads at +19. (Session 19 measured it
   as ``kept`` against ``writeback_all``, every file's writeback started by its writer, which is now the default:
   ``bench_out/ab_train_writeback_all_5000.json``.)
+- ``no_sched_idle``: the save's background threads (runner, writers, the small-file thread) at niceness +19 only,
+  not under ``SCHED_IDLE`` (``writepool.BACKGROUND_SCHED_IDLE = False``, what nxd_ckpt did before session 20;
+  session 20 measured the change as ``kept``, then without it, against a variant ``sched_idle``:
+  ``bench_out/ab_train_sched_idle_5000.json``);
 - ``flushers_nice19``: ``no_own_writeback`` on a host whose kernel flusher threads run at niceness 19 (the
   ``writeback`` workqueue's ``nice`` in sysfs, a host setting; root only, put back after the run): whether a tuned
   host gets the step time of the save's own writeback without moving the kernel's work into the process.
@@ -59,12 +63,14 @@ def main() -> int:
     default_nice = writepool.BACKGROUND_NICE
     default_early_sync = writepool.EARLY_SYNC_BYTES
     default_own_writeback = local.OWN_WRITEBACK
+    default_sched_idle = writepool.BACKGROUND_SCHED_IDLE
 
     flusher_nice = _FlusherNice()
 
     def prep(variant: str) -> None:
         flusher_nice.set(19 if variant == "flushers_nice19" else None)
         bench.renice_background(int(variant[len("nice"):]) if variant.startswith("nice") else default_nice)
+        bench.sched_background(default_sched_idle and variant != "no_sched_idle")
         writepool.SMALL_WRITER = variant != "no_small_writer"
         local.DIRECT_WRITES = variant != "no_direct"
         writepool.EARLY_SYNC_BYTES = 1 << 62 if variant == "no_early_sync" else default_early_sync

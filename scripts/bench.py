@@ -231,6 +231,22 @@ def renice_background(n: int) -> None:
             os.setpriority(os.PRIO_PROCESS, t.native_id, min(19, base + n))
 
 
+def sched_background(idle: bool) -> None:
+    """nxd_ckpt's background threads under SCHED_IDLE (``idle``) or SCHED_OTHER at their niceness: those started
+    from now on (``writepool.BACKGROUND_SCHED_IDLE``) and those that already exist."""
+    import threading
+
+    from nxd_ckpt import writepool
+
+    writepool.BACKGROUND_SCHED_IDLE = idle
+    policy = os.SCHED_IDLE if idle else os.SCHED_OTHER
+    for t in threading.enumerate():
+        if t.name.startswith("nxd_ckpt-") and t.native_id is not None:
+            nice = os.getpriority(os.PRIO_PROCESS, t.native_id)
+            os.sched_setscheduler(t.native_id, policy, os.sched_param(0))
+            os.setpriority(os.PRIO_PROCESS, t.native_id, nice)
+
+
 def ab_save_dir(args, variant: str, i: int) -> str:
     """The empty folder an A/B script saves round ``i`` of ``variant`` into (``--keep-tags``: a new one each
     time, the earlier ones kept; else ``--dir`` itself, emptied)."""

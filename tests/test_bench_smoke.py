@@ -372,6 +372,37 @@ def test_renice_background_renices_existing_and_future_background_threads(monkey
     assert seen == {"nxd_ckpt-write_0": min(19, base + 3), "other": base}
 
 
+def test_sched_background_sets_existing_and_future_background_threads(monkeypatch):
+    """The A/B scripts' ``schedidle`` lever and ``no_sched_idle`` variant: nxd_ckpt's threads that exist get the
+    policy, their niceness kept, and BACKGROUND_SCHED_IDLE is set for the threads started later; other threads
+    keep theirs."""
+    import threading
+
+    from nxd_ckpt import writepool
+
+    bench = _bench_module()
+    monkeypatch.setattr(writepool, "BACKGROUND_SCHED_IDLE", writepool.BACKGROUND_SCHED_IDLE)
+    seen, go, ready = {}, threading.Event(), threading.Barrier(3, timeout=30)
+
+    def park():
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, 19)
+        ready.wait()
+        go.wait(30)
+        seen[threading.current_thread().name] = (os.sched_getscheduler(tid), os.getpriority(os.PRIO_PROCESS, tid))
+
+    threads = [threading.Thread(target=park, name=n) for n in ("nxd_ckpt-small_0", "other")]
+    for t in threads:
+        t.start()
+    ready.wait()
+    bench.sched_background(True)
+    go.set()
+    for t in threads:
+        t.join(30)
+    assert writepool.BACKGROUND_SCHED_IDLE is True
+    assert seen == {"nxd_ckpt-small_0": (os.SCHED_IDLE, 19), "other": (os.SCHED_OTHER, 19)}
+
+
 @pytest.mark.timeout(300)
 def test_ab_saves_tiny_run_counts_back_to_back_saves(tmp_path):
     """scripts/ab_saves.py: saves in a row from the given checkout, the first not counted, its JSON line complete;

@@ -106,16 +106,20 @@ def test_failure_inside_a_batch_releases_every_lease(tmp_path, monkeypatch, batc
     assert budget.used == 0
 
 
+@pytest.mark.parametrize("idle", [True, False])
 @pytest.mark.parametrize("nbytes", [0, 2 << 20])      # the small-file thread; the num_workers threads
-def test_writer_threads_run_below_the_callers_priority(tmp_path, nbytes):
+def test_writer_threads_run_below_the_callers_priority(tmp_path, monkeypatch, nbytes, idle):
     """The training loop keeps the cores it wants: every writer thread is BACKGROUND_NICE nicer than the
-    process (Linux niceness is per thread), and the caller's own niceness is unchanged."""
+    process (Linux niceness is per thread) and, with BACKGROUND_SCHED_IDLE, under SCHED_IDLE; the caller's own
+    niceness and policy are unchanged."""
     import threading
 
-    seen = []
+    monkeypatch.setattr(writepool, "BACKGROUND_SCHED_IDLE", idle)
+    seen, policies = [], []
 
     def produce(f):
         seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+        policies.append(os.sched_getscheduler(threading.get_native_id()))
         f.write(b"z")
 
     base = os.getpriority(os.PRIO_PROCESS, 0)
@@ -127,7 +131,9 @@ def test_writer_threads_run_below_the_callers_priority(tmp_path, nbytes):
     res = WritePool().write_all(q, _LocalLike(str(tmp_path)), "w", workers=4)
     assert res.error is None
     assert seen == [min(19, base + writepool.BACKGROUND_NICE)] * 8
+    assert policies == [os.SCHED_IDLE if idle else os.SCHED_OTHER] * 8
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == base
+    assert os.sched_getscheduler(threading.get_native_id()) == os.SCHED_OTHER
 
 
 def test_add_many_queues_in_order_and_wakes_a_waiting_writer(tmp_path):
