@@ -1368,7 +1368,8 @@ def file_floor_text(r: dict) -> str:
 
 
 def _host_text(lim: dict) -> str:
-    """', host H' (the host's CPU-s/GB of the floor's write, writeback threads included) when measured."""
+    """' of the process, H of the host' (H: the host's CPU-s/GB of the floor's write, the writeback threads
+    included) when measured, else ''."""
     h = lim.get("files_write_host_cpu_s_per_gb")
     return f" of the process, {h:.2f} of the host" if h is not None else ""
 
