@@ -25,6 +25,8 @@
   not under ``SCHED_IDLE`` (``writepool.BACKGROUND_SCHED_IDLE = False``, what nxd_ckpt did before session 20;
   session 20 measured the change as ``kept``, then without it, against a variant ``sched_idle``:
   ``bench_out/ab_train_sched_idle_5000.json``);
+- ``no_closer``: each small file's writeback started, and the file closed, by its writer rather than by the
+  closer thread (``storage.local.CLOSE_BEHIND = False``, what nxd_ckpt did before session 21);
 - ``flushers_nice19``: ``no_own_writeback`` on a host whose kernel flusher threads run at niceness 19 (the
   ``writeback`` workqueue's ``nice`` in sysfs, a host setting; root only, put back after the run): whether a tuned
   host gets the step time of the save's own writeback without moving the kernel's work into the process.
@@ -64,6 +66,7 @@ def main() -> int:
     default_early_sync = writepool.EARLY_SYNC_BYTES
     default_own_writeback = local.OWN_WRITEBACK
     default_sched_idle = writepool.BACKGROUND_SCHED_IDLE
+    default_close_behind = local.CLOSE_BEHIND
 
     flusher_nice = _FlusherNice()
 
@@ -75,6 +78,7 @@ def main() -> int:
         local.DIRECT_WRITES = variant != "no_direct"
         writepool.EARLY_SYNC_BYTES = 1 << 62 if variant == "no_early_sync" else default_early_sync
         local.OWN_WRITEBACK = default_own_writeback and variant not in ("no_own_writeback", "flushers_nice19")
+        local.CLOSE_BEHIND = default_close_behind and variant != "no_closer"
         if local.HUGE_BOUNCES != (variant != "no_huge"):
             local.BOUNCES.release()     # the next bounce buffers are made the other way
         local.HUGE_BOUNCES = variant != "no_huge"

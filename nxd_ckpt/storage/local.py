@@ -17,6 +17,7 @@ from typing import Iterable, Iterator, List, Optional, Sequence, Tuple
 from ..layout import TMP_SUFFIX
 
 from .base import READ_BLOCK, Capabilities, FileRecord, AlreadyExistsError, Sink, Stat, Storage
+from .closer import Closer
 
 
 def file_blocks(path: str) -> Iterator[memoryview]:
@@ -51,6 +52,11 @@ WRITEBACK_MIN_BYTES = 1 << 20
 #: only lengthens. False: only files of WRITEBACK_MIN_BYTES or more (the A/B variant ``no_own_writeback`` of
 #: scripts/ab_train.py).
 OWN_WRITEBACK = True
+#: Where the writeback is the save's own (``OWN_WRITEBACK``), a small file's ``sync_file_range`` and close run on
+#: one background thread (``closer.Closer``) instead of on its writer, so that the small-file thread goes on to
+#: the next file meanwhile. False: the writer does both (the A/B lever ``closer`` of scripts/ab_commit.py and the
+#: variant ``no_closer`` of scripts/ab_train.py).
+CLOSE_BEHIND = True
 
 #: On a local filesystem the writer threads create their files one at a time (see ``LocalStorage._sink``);
 #: False creates them concurrently (the A/B lever ``createlock`` of scripts/ab_commit.py).
@@ -62,6 +68,7 @@ class _FileSink(Sink):
     direct = False
     taken_size = -1         # the size of the file taken over in place (``reuse``), -1 for a file created
     writeback_min = 1 << 62     # files this large or larger start their writeback as they close (set by the storage)
+    close_behind = False        # ... and are handed to ``CLOSER`` for it (set by the storage)
 
     def __init__(self, final: str, atomic: bool, exclusive: bool, create_lock: Optional[threading.Lock] = None,
                  reuse: bool = False):
@@ -123,7 +130,7 @@ class _FileSink(Sink):
             if durable:
                 os.fsync(self._fd)
             elif record.size >= self.writeback_min and not self.direct:
-                _start_writeback_fd(self._fd)
+                self._start_writeback()
         finally:
             self._close()
         if self._atomic:
@@ -135,6 +142,13 @@ class _FileSink(Sink):
                 os.unlink(self._path)
             else:
                 os.replace(self._path, self._final)
+
+    def _start_writeback(self) -> None:
+        if self.close_behind and not self._atomic:
+            CLOSER.hand(self._fd)       # the descriptor is the closer's from here
+            self._fd = -1
+        else:
+            _start_writeback_fd(self._fd)
 
     def abort(self) -> None:
         try:
@@ -659,6 +673,7 @@ class LocalStorage(Storage):
         else:
             sink = _FileSink(self.path(relpath), atomic, exclusive, lock, reuse)
         sink.writeback_min = self._writeback_min()
+        sink.close_behind = CLOSE_BEHIND and sink.writeback_min == 0
         if not self._anchor.armed:
             self._anchor.arm(os.path.dirname(sink._path))
         return sink
@@ -723,8 +738,10 @@ class LocalStorage(Storage):
         """Make the files durable: one ``syncfs`` for those on the filesystem this storage has written to
         since the last call, when that filesystem is known to implement it (``_SyncAnchor``); else
         ``fdatasync`` of every file on parallel threads (the kernel has been writing the pages back since
-        they were written, and one deep queue of syncs finishes sooner than one sync after each file)."""
+        they were written, and one deep queue of syncs finishes sooner than one sync after each file). First
+        waits until ``CLOSER`` has closed every file handed to it, and raises what a close met."""
         paths = [self.path(r) for r in relpaths]
+        CLOSER.drain()
         anchor_dev, anchor_fd, early_error = self._anchor.take()
         try:
             if early_error is not None:
@@ -940,6 +957,10 @@ def _start_writeback_fd(fd: int) -> bool:
     file's sync)."""
     fn = _sync_file_range()
     return fn is not None and fn(fd, 0, 0, _SYNC_FILE_RANGE_WRITE) == 0
+
+
+#: The thread that starts the writeback of the small files of an async save and closes them (``CLOSE_BEHIND``).
+CLOSER = Closer(lambda fd: _start_writeback_fd(fd))
 
 
 @functools.lru_cache(maxsize=1)

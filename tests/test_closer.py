@@ -1,0 +1,148 @@
+"""The thread that starts the writeback of an async save's small files and closes them (storage/closer.py)."""
+import errno
+import os
+import sys
+import threading
+
+import pytest
+import torch
+
+import nxd_ckpt
+from nxd_ckpt import writepool
+from nxd_ckpt.storage import LocalStorage, local
+from nxd_ckpt.storage.closer import Closer
+
+
+def _fd_open(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+        return True
+    except OSError:
+        return False
+
+
+def _open_under(folder) -> list:
+    """Files (not folders) under ``folder`` this process holds open."""
+    out = []
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:             # the listing's own descriptor, closed by now
+            continue
+        if target.startswith(str(folder)) and os.path.isfile(target):
+            out.append(target)
+    return out
+
+
+def test_handed_files_are_started_in_order_and_closed_by_drain(tmp_path):
+    seen = []
+    closer = Closer(lambda fd: seen.append((os.readlink(f"/proc/self/fd/{fd}"), threading.current_thread().name)))
+    fds = [os.open(tmp_path / f"f{i}", os.O_WRONLY | os.O_CREAT, 0o644) for i in range(40)]
+    for fd in fds:
+        closer.hand(fd)
+    closer.drain()
+    assert seen == [(str(tmp_path / f"f{i}"), "nxd_ckpt-closer") for i in range(40)]
+    assert not any(_fd_open(fd) for fd in fds)
+    closer.drain()                      # nothing handed since: returns at once
+
+
+def test_a_close_error_is_raised_once_by_the_next_drain(tmp_path):
+    """The start hint's errors are ignored (as the writer's own call's were); a failed close is kept and raised
+    by the drain before the batch's sync, once."""
+    def close_first(fd):
+        os.close(fd)
+        raise OSError(errno.EIO, "hint refused")    # ignored
+
+    closer = Closer(close_first)
+    closer.hand(os.open(tmp_path / "f", os.O_WRONLY | os.O_CREAT, 0o644))
+    with pytest.raises(OSError) as err:
+        closer.drain()
+    assert err.value.errno == errno.EBADF
+    closer.drain()
+
+
+def test_a_stuck_thread_times_out_both_waits_and_the_caller_keeps_its_descriptor(tmp_path):
+    release = threading.Event()
+    closer = Closer(lambda fd: release.wait(30), depth=1, wait_s=0.2)
+    first = os.open(tmp_path / "a", os.O_WRONLY | os.O_CREAT, 0o644)
+    second = os.open(tmp_path / "b", os.O_WRONLY | os.O_CREAT, 0o644)
+    closer.hand(first)
+    with pytest.raises(TimeoutError, match="did not take another file within 0 s .*the disk is not taking writes"):
+        closer.hand(second)
+    assert _fd_open(second)
+    os.close(second)
+    with pytest.raises(TimeoutError, match="did not close the files handed to it"):
+        closer.drain()
+    release.set()
+    closer.drain()
+    assert not _fd_open(first)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="fork only")
+def test_a_forked_child_gets_a_thread_of_its_own(tmp_path):
+    closer = Closer(lambda fd: None)
+    closer.hand(os.open(tmp_path / "parent", os.O_WRONLY | os.O_CREAT, 0o644))
+    closer.drain()
+    pid = os.fork()
+    if pid == 0:                        # the child has no threads: the parent's closer thread is not here
+        try:
+            fd = os.open(tmp_path / "child", os.O_WRONLY | os.O_CREAT, 0o644)
+            closer.hand(fd)
+            closer.drain()
+            os._exit(0 if not _fd_open(fd) else 1)
+        except BaseException:  # noqa: BLE001
+            os._exit(2)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="sync_file_range and SCHED_IDLE are Linux's")
+@pytest.mark.parametrize("close_behind", [True, False])
+def test_an_async_saves_small_files_are_started_and_closed_on_the_closer(tmp_path, monkeypatch, close_behind):
+    """During an async save on a disk of this host each small tensor file's writeback is started, and the file
+    closed, on the closer thread, which runs at the save's background priority; CLOSE_BEHIND off: on its writer.
+    Either way every file is closed when the save is done, and the tensors load back."""
+    seen = []
+    real = local._start_writeback_fd
+
+    def spy(fd):
+        tid = threading.get_native_id()
+        seen.append((os.readlink(f"/proc/self/fd/{fd}"), threading.current_thread().name,
+                     os.sched_getscheduler(tid), os.getpriority(os.PRIO_PROCESS, tid)))
+        return real(fd)
+
+    monkeypatch.setattr(local, "_start_writeback_fd", spy)
+    monkeypatch.setattr(local, "_filesystem_type", lambda p: 0xEF53)
+    monkeypatch.setattr(local, "CLOSE_BEHIND", close_behind)
+    monkeypatch.setattr(local, "CLOSER", Closer(lambda fd: local._start_writeback_fd(fd)))
+    model = {"w": torch.arange(6.0), "b": torch.ones(3)}
+    nxd_ckpt.save_checkpoint(str(tmp_path), "t", model=model, async_save=True, use_xser=True)
+    nxd_ckpt.finalize_checkpoint()
+    tensor_files = sorted((os.path.basename(p), name.startswith("nxd_ckpt-closer")) for p, name, _, _ in seen
+                          if ".tensors/" in p)
+    assert tensor_files == [("tensor_0.pt", close_behind), ("tensor_1.pt", close_behind)]
+    idle = os.SCHED_IDLE if writepool.BACKGROUND_SCHED_IDLE else os.SCHED_OTHER
+    nice = min(19, os.getpriority(os.PRIO_PROCESS, 0) + writepool.BACKGROUND_NICE)
+    assert {(policy, n) for _, _, policy, n in seen} == {(idle, nice)}
+    assert _open_under(tmp_path) == []
+    got = {}
+    nxd_ckpt.load_checkpoint(str(tmp_path), "t", model=got, strict=False)
+    assert torch.equal(got["w"], model["w"]) and torch.equal(got["b"], model["b"])
+
+
+def test_a_close_error_fails_the_batch_sync_before_it_syncs(tmp_path, monkeypatch):
+    """What a close met reaches the save through ``sync_files``, before the batch is synced and committed."""
+    def close_first(fd):
+        os.close(fd)
+
+    synced = []
+    monkeypatch.setattr(local, "_filesystem_type", lambda p: 0xEF53)
+    monkeypatch.setattr(local, "CLOSER", Closer(close_first))
+    monkeypatch.setattr(local, "_syncfs", lambda fd: synced.append(fd))
+    s = LocalStorage(str(tmp_path))
+    s.beside_training = True
+    s.write_file("stage/small", lambda f: f.write(b"x" * 100), durable=False, atomic=False)
+    with pytest.raises(OSError) as err:
+        s.sync_files(["stage/small"])
+    assert err.value.errno == errno.EBADF and synced == []
+    assert (tmp_path / "stage" / "small").read_bytes() == b"x" * 100
