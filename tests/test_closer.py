@@ -35,13 +35,14 @@ def _open_under(folder) -> list:
 
 
 def test_handed_files_are_started_in_order_and_closed_by_drain(tmp_path):
+    """Files go to the thread in groups; the drain sends the last, partial group (43 = 5 x 8 + 3)."""
     seen = []
     closer = Closer(lambda fd: seen.append((os.readlink(f"/proc/self/fd/{fd}"), threading.current_thread().name)))
-    fds = [os.open(tmp_path / f"f{i}", os.O_WRONLY | os.O_CREAT, 0o644) for i in range(40)]
+    fds = [os.open(tmp_path / f"f{i}", os.O_WRONLY | os.O_CREAT, 0o644) for i in range(43)]
     for fd in fds:
         closer.hand(fd)
     closer.drain()
-    assert seen == [(str(tmp_path / f"f{i}"), "nxd_ckpt-closer") for i in range(40)]
+    assert seen == [(str(tmp_path / f"f{i}"), "nxd_ckpt-closer") for i in range(43)]
     assert not any(_fd_open(fd) for fd in fds)
     closer.drain()                      # nothing handed since: returns at once
 
@@ -62,20 +63,26 @@ def test_a_close_error_is_raised_once_by_the_next_drain(tmp_path):
 
 
 def test_a_stuck_thread_times_out_both_waits_and_the_caller_keeps_its_descriptor(tmp_path):
-    release = threading.Event()
-    closer = Closer(lambda fd: release.wait(30), depth=1, wait_s=0.2)
-    first = os.open(tmp_path / "a", os.O_WRONLY | os.O_CREAT, 0o644)
-    second = os.open(tmp_path / "b", os.O_WRONLY | os.O_CREAT, 0o644)
-    closer.hand(first)
+    release, busy = threading.Event(), threading.Event()
+
+    def stuck(fd):
+        busy.set()
+        release.wait(30)
+
+    closer = Closer(stuck, depth=1, wait_s=0.2, group=1)
+    fds = [os.open(tmp_path / name, os.O_WRONLY | os.O_CREAT, 0o644) for name in "abc"]
+    closer.hand(fds[0])
+    assert busy.wait(10)                # the thread holds the first file
+    closer.hand(fds[1])                 # waits in the queue: the depth
     with pytest.raises(TimeoutError, match="did not take another file within 0 s .*the disk is not taking writes"):
-        closer.hand(second)
-    assert _fd_open(second)
-    os.close(second)
+        closer.hand(fds[2])
+    assert _fd_open(fds[2])
+    os.close(fds[2])
     with pytest.raises(TimeoutError, match="did not close the files handed to it"):
         closer.drain()
     release.set()
     closer.drain()
-    assert not _fd_open(first)
+    assert not _fd_open(fds[0]) and not _fd_open(fds[1])
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="fork only")
