@@ -87,20 +87,28 @@ def test_a_stuck_thread_times_out_both_waits_and_the_caller_keeps_its_descriptor
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="fork only")
 def test_a_forked_child_gets_a_thread_of_its_own(tmp_path):
+    """The child has no threads: it starts a closer thread of its own, and a file its parent had handed over
+    and not yet sent (a group not full) stays the parent's to close."""
     closer = Closer(lambda fd: None)
-    closer.hand(os.open(tmp_path / "parent", os.O_WRONLY | os.O_CREAT, 0o644))
-    closer.drain()
+    closer.hand(os.open(tmp_path / "warm", os.O_WRONLY | os.O_CREAT, 0o644))
+    closer.drain()                      # the parent's thread exists
+    held = os.open(tmp_path / "held", os.O_WRONLY | os.O_CREAT, 0o644)
+    closer.hand(held)                   # held in a group of 1 of 8
     pid = os.fork()
-    if pid == 0:                        # the child has no threads: the parent's closer thread is not here
+    if pid == 0:
         try:
+            closer.drain()              # nothing handed in the child: returns at once
             fd = os.open(tmp_path / "child", os.O_WRONLY | os.O_CREAT, 0o644)
             closer.hand(fd)
             closer.drain()
-            os._exit(0 if not _fd_open(fd) else 1)
+            os._exit(0 if not _fd_open(fd) and _fd_open(held) else 1)
         except BaseException:  # noqa: BLE001
             os._exit(2)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
+    assert _fd_open(held)
+    closer.drain()
+    assert not _fd_open(held)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="sync_file_range and SCHED_IDLE are Linux's")

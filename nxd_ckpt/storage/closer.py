@@ -66,15 +66,16 @@ class Closer:
     def drain(self) -> None:
         """Wait until every file handed over so far is closed; raise the first close error since the last
         drain (once), or TimeoutError after ``wait_s``. Called before a batch's sync."""
-        if self._pid == os.getpid():
-            done = threading.Event()
-            with self._lock:
-                if self._held:
-                    self._queue.put(self._held)
-                    self._held = []
-                self._queue.put(done)
-            if not done.wait(self._wait_s):
-                raise TimeoutError(self._stuck("close the files handed to it"))
+        if self._pid != os.getpid():
+            return                      # nothing handed in this process (a forked child's copy is its parent's)
+        done = threading.Event()
+        with self._lock:
+            if self._held:
+                self._queue.put(self._held)
+                self._held = []
+            self._queue.put(done)
+        if not done.wait(self._wait_s):
+            raise TimeoutError(self._stuck("close the files handed to it"))
         if self._errors:
             error = self._errors[0]
             self._errors.clear()
