@@ -345,7 +345,7 @@ def test_bench_keep_tags_gives_every_save_a_folder_removed_only_at_the_end(tmp_p
     assert not os.path.exists(first)
 
 
-def test_renice_background_renices_existing_and_future_background_threads(monkeypatch):
+def test_renice_background_renices_existing_and_future_background_threads(monkeypatch, request):
     """The A/B scripts' ``nice`` lever: nxd_ckpt's threads that exist are reniced, and BACKGROUND_NICE is set for
     the threads started later; other threads keep their niceness."""
     import threading
@@ -354,6 +354,8 @@ def test_renice_background_renices_existing_and_future_background_threads(monkey
 
     bench = _bench_module()
     monkeypatch.setattr(writepool, "BACKGROUND_NICE", writepool.BACKGROUND_NICE)
+    # the library's own background threads, kept between saves, get their niceness back for later tests
+    request.addfinalizer(lambda nice=writepool.BACKGROUND_NICE: bench.renice_background(nice))
     base = os.getpriority(os.PRIO_PROCESS, 0)
     seen, go = {}, threading.Event()
 
