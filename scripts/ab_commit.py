@@ -22,7 +22,9 @@ each time the small-file thread has written ``writepool.EARLY_SYNC_BYTES`` more:
 by default never against 64 MiB); ``smallwriters`` (threads of the small-file writer, ``writepool.SMALL_WRITERS``:
 ``--before`` against ``--after``, by default 1 against 2); ``schedidle`` (the save's background threads under ``SCHED_IDLE``,
 ``writepool.BACKGROUND_SCHED_IDLE``: 0, niceness +19 only, against 1); ``closer`` (a small file's writeback start and
-close on the closer thread, ``storage.local.CLOSE_BEHIND``: 0, on its writer, against 1).
+close on the closer thread, ``storage.local.CLOSE_BEHIND``: 0, on its writer, against 1); ``reservesmall`` (a new
+buffered file's blocks reserved before its write on ext4, ``storage.local.RESERVE_BUFFERED_MIN_BYTES``: never
+against the module's 64 KiB).
 
 Besides the process's CPU (``cpu_s_per_gb``) each round records the whole host's (``host_cpu_s_per_gb``, from
 ``/proc/stat``): the kernel's writeback threads write the page cache's dirty pages on the process's behalf.
@@ -45,7 +47,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import bench  # noqa: E402
 
 LEVERS = ("writeback", "workers", "createlock", "nice", "smallwriter", "gcpause", "direct", "reserve", "huge",
-          "directmin", "handout", "earlysync", "smallwriters", "schedidle", "closer")
+          "directmin", "handout", "earlysync", "smallwriters", "schedidle", "closer", "reservesmall")
 _NEVER = 1 << 62
 
 
@@ -92,6 +94,8 @@ def _set_lever(lever: str, after: bool, values: dict, kw: dict) -> None:
         bench.sched_background(bool(value))
     elif lever == "closer":
         local.CLOSE_BEHIND = bool(value)
+    elif lever == "reservesmall":
+        local.RESERVE_BUFFERED_MIN_BYTES = value
     elif lever == "earlysync":
         from nxd_ckpt import writepool
 
@@ -113,7 +117,8 @@ def main() -> int:
                 "createlock": (1, 0), "nice": (10, 19), "smallwriter": (0, 1), "gcpause": (0, 1),
                 "direct": (0, 1), "reserve": (0, 1), "huge": (0, 1),
                 "directmin": (local.DIRECT_MIN_BYTES, 4096), "handout": (_NEVER, 128 << 20),
-                "earlysync": (_NEVER, 64 << 20), "smallwriters": (1, 2), "schedidle": (0, 1), "closer": (0, 1)}
+                "earlysync": (_NEVER, 64 << 20), "smallwriters": (1, 2), "schedidle": (0, 1), "closer": (0, 1),
+                "reservesmall": (_NEVER, local.RESERVE_BUFFERED_MIN_BYTES)}
     values = {"before": defaults[args.lever][0] if args.before is None else args.before,
               "after": defaults[args.lever][1] if args.after is None else args.after}
     model, optim, _ = bench.build_state(int(args.size_gb * 1e9), args.tensors, bench.device(), args.state)

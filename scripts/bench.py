@@ -150,8 +150,10 @@ KEEP_TAGS_WHY = ("on ext4 without a journal, as on this VM, creating files right
                  "0.2-0.7 ms of kernel CPU each")
 #: Time to create one empty file under which a folder's filesystem counts as settled (about 15 us here).
 SETTLED_CREATE_US = 40.0
-#: How much longer than a removal's clean window (60 s) ext4 skips its inode while the block is unwritten.
-DIRTY_WINDOW_S = 300.0
+#: Seconds after a removal until ext4 without a journal allocates its inode again: 60 s, 360 s while the inode's
+#: table block is unwritten (fs/ext4/ialloc.c ``recently_deleted``), which a save's creations in the same block
+#: make it again; plus 20 s of margin.
+REMOVAL_WINDOW_S = 380.0
 
 
 def settle_removals(folder: str, timeout_s: float = 420.0, probe_files: int = 64, probe_folders: int = 16) -> dict:
@@ -166,7 +168,9 @@ def settle_removals(folder: str, timeout_s: float = 420.0, probe_files: int = 64
     ``folder``/_create_probes (``path`` in the result; kept, since removing them would restart the wait, until
     the caller's cleanup) every 10 s until the dearest folder's creations take under SETTLED_CREATE_US each, or
     ``timeout_s`` passes. A probe only meets the removed inodes that come first in its group, and saves right
-    after a cheap probe still paid, so once a dear probe turns cheap the wait goes on DIRTY_WINDOW_S more.
+    after a cheap probe still paid, so once a dear probe turns cheap the wait goes on until REMOVAL_WINDOW_S
+    after the start (session 22: saves that began 340-350 s after a removal, 300 s after the probe turned cheap,
+    still spent 20% of the small-file thread's samples in ``recently_deleted``).
     Journaled filesystems (ext4's default, XFS, FSx for Lustre) pass at once."""
     start, seen, root = time.perf_counter(), [], os.path.join(folder, "_create_probes")
     while True:
@@ -178,7 +182,7 @@ def settle_removals(folder: str, timeout_s: float = 420.0, probe_files: int = 64
         time.sleep(10)
     settled = seen[-1] < SETTLED_CREATE_US
     if settled and len(seen) > 1:
-        time.sleep(DIRTY_WINDOW_S)
+        time.sleep(max(0.0, REMOVAL_WINDOW_S - (time.perf_counter() - start)))
     return {"create_us": seen, "waited_s": round(time.perf_counter() - start, 1), "settled": settled,
             "path": root}
 
@@ -209,8 +213,8 @@ def ab_parser(doc: str, *, dir: str | None, rounds: int, size_gb: float = 1.0, t
     p.add_argument("--out")
     p.add_argument("--settle-timeout", type=float, default=420.0,
                    help="seconds to probe at the start until earlier file removals stop slowing file creation "
-                        "(settle_removals; the 300 s that follow a probe turning cheap come on top; 0: probe once "
-                        "and go on)")
+                        "(settle_removals; once a dear probe turns cheap, the wait lasts until 380 s after the start; "
+                        "0: probe once and go on)")
     p.add_argument("--keep-tags", action="store_true",
                    help="save each round into a folder of its own under --dir, all removed only at the end (the "
                         f"default empties --dir before each save; {KEEP_TAGS_WHY})")
@@ -1462,8 +1466,8 @@ def main(argv=None) -> int:
                         f"({KEEP_TAGS_WHY}). Needs disk for every save of the run")
     p.add_argument("--settle-timeout", type=float, default=420.0,
                    help="seconds to probe at the start until earlier file removals stop slowing file creation "
-                        "(settle_removals; the 300 s that follow a probe turning cheap come on top; 0: probe once "
-                        "and go on)")
+                        "(settle_removals; once a dear probe turns cheap, the wait lasts until 380 s after the start; "
+                        "0: probe once and go on)")
     p.add_argument("--skip-train", action="store_true")
     p.add_argument("--skip-rss", action="store_true", help="skip the per-method RSS peak saves")
     p.add_argument("--methods", default="", help="comma-separated subset (development)")

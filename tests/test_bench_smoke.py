@@ -246,7 +246,7 @@ def test_ab_commit_tiny_run_alternates_the_lever_and_writes_its_json(tmp_path):
 def test_settle_removals_probes_until_creation_is_cheap_or_the_timeout(tmp_path, monkeypatch):
     """bench.settle_removals: one probe (of every folder) when creation is already cheap; when it never gets
     cheap, a probe per wait until the timeout, each in folders of its own that are kept (removing them would
-    restart the wait); when it turns cheap after a wait, the dirty window on top."""
+    restart the wait); when it turns cheap after a wait, until the removal window after the start has passed."""
     bench = _bench_module()
     naps, nap = [], time.sleep
     monkeypatch.setattr(bench.time, "sleep", lambda s: naps.append(s) or nap(0.02))
@@ -259,12 +259,14 @@ def test_settle_removals_probes_until_creation_is_cheap_or_the_timeout(tmp_path,
     r = bench.settle_removals(str(tmp_path / "b"), timeout_s=0.1, probe_files=4, probe_folders=2)
     assert not r["settled"] and len(r["create_us"]) == len(naps) + 1 >= 3 and set(naps) == {10}
     assert len(os.listdir(r["path"])) == 2 * len(r["create_us"])
-    # dear, then cheap: settled, and then the dirty window waited out as well
-    costs, naps[:] = iter([500.0, 500.0, 5.0, 5.0]), []
+    # dear, then cheap: settled, and then the rest of the removal window, counted from the start, waited out
+    costs, naps[:], clock = iter([500.0, 500.0, 5.0, 5.0]), [], [1000.0]
+    monkeypatch.setattr(bench.time, "sleep", lambda s: naps.append(s) or clock.__setitem__(0, clock[0] + s))
+    monkeypatch.setattr(bench.time, "perf_counter", lambda: clock[0])
     monkeypatch.setattr(bench, "SETTLED_CREATE_US", 40.0)
     monkeypatch.setattr(bench, "_create_cost_us", lambda probe, files: next(costs))
     r = bench.settle_removals(str(tmp_path / "c"), timeout_s=60, probe_folders=2)
-    assert r["settled"] and r["create_us"] == [500.0, 5.0] and naps == [10, bench.DIRTY_WINDOW_S]
+    assert r["settled"] and r["create_us"] == [500.0, 5.0] and naps == [10, bench.REMOVAL_WINDOW_S - 10]
 
 
 def test_training_time_lost_per_save_is_the_steps_during_it_times_their_extra_time():
