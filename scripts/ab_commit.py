@@ -37,7 +37,6 @@ e.g. the default 1 MiB against 64 KiB for many small files; workers: ``num_worke
 from __future__ import annotations
 
 import os
-import shutil
 import sys
 import time
 
@@ -144,10 +143,10 @@ def main() -> int:
                 "host_cpu_s_per_gb": (bench.host_cpu_time() - h0) / gb,
                 "full_collections": bench.full_collections() - g0}
 
-    shutil.rmtree(args.dir, ignore_errors=True)
+    bench.remove_tree(args.dir)
     settled = bench.settle_removals(args.dir, args.settle_timeout)
     res, loads = bench.alternate(("before", "after"), one, args.rounds)
-    shutil.rmtree(args.dir, ignore_errors=True)
+    bench.remove_tree(args.dir)
     out = {"lever": args.lever, "values": values, "bytes": nbytes, "tensors": args.tensors, "state": args.state,
            "rounds": args.rounds, "settle_removals": settled,
            "filesystem": _fs_type(args.dir), "load1": loads, "median": bench.medians(res),

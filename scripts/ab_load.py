@@ -41,7 +41,6 @@ saved once with nxd_ckpt (xser), loaded into a dict of XLA tensors with the page
 from __future__ import annotations
 
 import os
-import shutil
 import sys
 import time
 
@@ -68,7 +67,7 @@ def main() -> int:
     variants = tuple(args.variants.split(","))
     dev = bench.device()
     model, optim, _ = bench.build_state(int(args.size_gb * 1e9), args.tensors, dev, args.state)
-    shutil.rmtree(args.dir, ignore_errors=True)
+    bench.remove_tree(args.dir)
     nxd_ckpt.save_checkpoint(args.dir, "t", model=model, optimizer=optim, use_xser=True)
     if "written_buffered" in variants:
         local.DIRECT_WRITES = False
@@ -129,7 +128,7 @@ def main() -> int:
     reader.PIPELINE_INTRAOP_THREADS, reader.GROUP_BYTES, reader.TAIL_FLUSH = intraop, group_bytes, tail_flush
     reader.PREFETCH_GROUPS, reader.PLACE_BATCH_BYTES = prefetch, place_batch
     local.DIRECT_READS = True
-    shutil.rmtree(args.dir, ignore_errors=True)
+    bench.remove_tree(args.dir)
     out = {"bytes": nbytes, "tensors": args.tensors, "state": args.state, "rounds": args.rounds, "load1": loads,
            "median": bench.medians(res), "runs": res}
     bench.print_json(out, args.out)

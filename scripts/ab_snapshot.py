@@ -18,7 +18,6 @@ pickler) or ``smallfiles_all`` (the three together).
 from __future__ import annotations
 
 import os
-import shutil
 import sys
 import time
 
@@ -103,9 +102,9 @@ def main() -> int:
         return {"stall_s": stall, "commit_s": nxd_ckpt.save_stats()[-1]["commit_s"], "cpu_s_per_gb": (bench.cpu_time() - c0) / gb,
                 "stall_cpu_s_per_gb": c_stall / gb, "stall_faults_mb": faults * 4096 / 2 ** 20}
 
-    shutil.rmtree(args.dir, ignore_errors=True)
+    bench.remove_tree(args.dir)
     res, loads = bench.alternate(variants, one, args.rounds)
-    shutil.rmtree(args.dir, ignore_errors=True)
+    bench.remove_tree(args.dir)
     out = {"lever": args.lever, "bytes": nbytes, "tensors": args.tensors, "state": args.state, "rounds": args.rounds, "load1": loads,
            "median": bench.medians(res),
            "cpu_s_per_gb_rounds": {v: [round(x["cpu_s_per_gb"], 3) for x in res[v]] for v in res},

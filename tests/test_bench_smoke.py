@@ -248,6 +248,7 @@ def test_settle_removals_probes_until_creation_is_cheap_or_the_timeout(tmp_path,
     cheap, a probe per wait until the timeout, each in folders of its own that are kept (removing them would
     restart the wait); when it turns cheap after a wait, until the removal window after the start has passed."""
     bench = _bench_module()
+    monkeypatch.setattr(bench, "REMOVALS_FILE", str(tmp_path / "removals.json"))
     naps, nap = [], time.sleep
     monkeypatch.setattr(bench.time, "sleep", lambda s: naps.append(s) or nap(0.02))
     monkeypatch.setattr(bench, "SETTLED_CREATE_US", 1e9)
@@ -267,6 +268,32 @@ def test_settle_removals_probes_until_creation_is_cheap_or_the_timeout(tmp_path,
     monkeypatch.setattr(bench, "_create_cost_us", lambda probe, files: next(costs))
     r = bench.settle_removals(str(tmp_path / "c"), timeout_s=60, probe_folders=2)
     assert r["settled"] and r["create_us"] == [500.0, 5.0] and naps == [10, bench.REMOVAL_WINDOW_S - 10]
+
+
+def test_settle_removals_first_waits_out_the_window_of_the_last_removal_the_scripts_noted(tmp_path, monkeypatch):
+    """bench.remove_tree notes when it removed files on a filesystem; the next settle_removals there sleeps until
+    REMOVAL_WINDOW_S after it, whatever its probes find (they miss removals in other block groups); a removal
+    noted longer ago, or nothing removed (a missing path), costs no wait."""
+    bench = _bench_module()
+    monkeypatch.setattr(bench, "REMOVALS_FILE", str(tmp_path / "removals.json"))
+    naps = []
+    monkeypatch.setattr(bench.time, "sleep", naps.append)
+    monkeypatch.setattr(bench, "SETTLED_CREATE_US", 1e9)
+    bench.remove_tree(str(tmp_path / "never_made"))
+    assert not os.path.exists(tmp_path / "removals.json")
+    (tmp_path / "old" / "sub").mkdir(parents=True)
+    (tmp_path / "old" / "sub" / "f").write_bytes(b"x")
+    bench.remove_tree(str(tmp_path / "old"))
+    assert not os.path.exists(tmp_path / "old")
+    r = bench.settle_removals(str(tmp_path / "a"), timeout_s=60, probe_files=2, probe_folders=1)
+    assert len(naps) == 1 and bench.REMOVAL_WINDOW_S - 30 < naps[0] <= bench.REMOVAL_WINDOW_S
+    assert r["settled"] and r["noted_removal_wait_s"] == round(naps[0], 1)
+    noted = json.loads((tmp_path / "removals.json").read_text())
+    noted[str(os.stat(tmp_path).st_dev)] -= bench.REMOVAL_WINDOW_S
+    (tmp_path / "removals.json").write_text(json.dumps(noted))
+    naps.clear()
+    r = bench.settle_removals(str(tmp_path / "b"), timeout_s=60, probe_files=2, probe_folders=1)
+    assert naps == [] and r["noted_removal_wait_s"] == 0.0
 
 
 def test_training_time_lost_per_save_is_the_steps_during_it_times_their_extra_time():
