@@ -292,6 +292,8 @@ class WritePool:
                 records.extend(f.result())
         if error is None:
             error = _make_durable(storage, workdir, records)
+        else:
+            storage.abandon_batch()
         return WriteResult(records, error, sum(r.size for r in records))
 
 

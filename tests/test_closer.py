@@ -165,3 +165,34 @@ def test_a_close_error_fails_the_batch_sync_before_it_syncs(tmp_path, monkeypatc
         s.sync_files(["stage/small"])
     assert err.value.errno == errno.EBADF and synced == []
     assert (tmp_path / "stage" / "small").read_bytes() == b"x" * 100
+
+
+def test_a_failed_save_leaves_no_file_open_behind_it(tmp_path, monkeypatch):
+    """A save that fails after some small files went to the closer (a partial group, which only a drain sends)
+    closes them too, and its sync anchor's folder: nothing of the failed save stays open, its space held, until
+    the next save. The error is the write's."""
+    from nxd_ckpt.storage import set_write_hook
+
+    def fail_fifth(rel):
+        if rel.endswith("tensor_4.pt"):
+            raise OSError(errno.ENOSPC, "no space left (injected)")
+
+    monkeypatch.setattr(local, "_filesystem_type", lambda p: 0xEF53)
+    monkeypatch.setattr(local, "CLOSER", Closer(lambda fd: None))
+    model = {f"p{i}": torch.full((64,), float(i)) for i in range(6)}
+    set_write_hook(fail_fifth)
+    try:
+        nxd_ckpt.save_checkpoint(str(tmp_path), "t", model=model, async_save=True, use_xser=True)
+        with pytest.raises(Exception, match="injected"):
+            nxd_ckpt.finalize_checkpoint()
+    finally:
+        set_write_hook(None)
+    held = []
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            continue
+        if target.startswith(str(tmp_path)):
+            held.append(target)
+    assert held == []

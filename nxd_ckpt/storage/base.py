@@ -336,6 +336,11 @@ class Storage(ABC):
     def sync_dirs(self, relpaths: Iterable[str]) -> None:
         """Make directory entries (new files, renames) durable (no-op without directories)."""
 
+    def abandon_batch(self) -> None:
+        """The files written with ``durable=False`` since the last ``sync_files`` will not be synced (their save
+        failed): let go of what the backend still holds for them. Never raises; the save's own error is what
+        counts. Called by the write pool on the runner thread."""
+
     def start_sync(self) -> None:
         """Have what was written so far reach the disk ahead of ``sync_files``, which then has less left to wait
         for. A hint: nothing is durable because of it, and errors surface at ``sync_files``. Blocks until done

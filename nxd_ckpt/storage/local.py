@@ -779,6 +779,18 @@ class LocalStorage(Storage):
             if anchor_fd is not None:
                 os.close(anchor_fd)
 
+    def abandon_batch(self) -> None:
+        """Close what ``CLOSER`` still holds (a partial group of up to 7 files would otherwise stay open, their
+        space held, until the next save's sync) and the sync anchor's folder. Blocks until the closer is done,
+        at most ``closer.WAIT_S``; what a close met is dropped with the batch."""
+        try:
+            CLOSER.drain()
+        except (OSError, TimeoutError):
+            pass
+        _dev, fd, _error = self._anchor.take()
+        if fd is not None:
+            os.close(fd)
+
     def start_sync(self) -> None:
         """One ``syncfs`` of the filesystem of the batch being written (``_SyncAnchor``), on a descriptor of its
         own: the anchor keeps its view of writeback errors for ``sync_files``, and an error this call gets is
