@@ -64,9 +64,8 @@ CLOSE_BEHIND = True
 #: written, its writeback started and closed, then one ``syncfs``; page cache dropped; 5 alternating rounds):
 #: 100 KB files 61-78 against 52-59 us of process CPU a file and 72-84 against 58-66 us of the host's; 256 KiB
 #: 73-79 against 60-62; 40 KB no difference; 4 KiB 3-4 us dearer (the extra system call); on a journaled ext4
-#: (a loop device) at 100 KB 62-89 against 58-60 us. Files of
-#: ``DIRECT_MIN_BYTES`` or more are written directly and reserved by ``RESERVE_BLOCKS``. 1 << 62: never (the A/B
-#: lever ``reservesmall`` of scripts/ab_commit.py).
+#: (a loop device) at 100 KB 62-89 against 58-60 us. Files of ``DIRECT_MIN_BYTES`` or more are written directly
+#: and reserved by ``RESERVE_BLOCKS``. 1 << 62: never (the A/B lever ``reservesmall`` of scripts/ab_commit.py).
 RESERVE_BUFFERED_MIN_BYTES = 64 << 10
 
 #: On a local filesystem the writer threads create their files one at a time (see ``LocalStorage._sink``);
