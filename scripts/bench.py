@@ -46,6 +46,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -157,7 +158,7 @@ REMOVAL_WINDOW_S = 380.0
 
 
 #: Where the benchmark scripts note when they last removed files, per filesystem (``remove_tree``).
-REMOVALS_FILE = os.path.join(os.environ.get("TMPDIR", "/tmp"), "nxd_ckpt_bench_removals.json")
+REMOVALS_FILE = os.path.join(tempfile.gettempdir(), "nxd_ckpt_bench_removals.json")
 
 
 def _device_of(path: str) -> str:
