@@ -292,7 +292,7 @@ class WritePool:
                 records.extend(f.result())
         if error is None:
             error = _make_durable(storage, workdir, records)
-        else:
+        if error is not None:       # a failed write or sync: what the storage still holds of the batch goes
             storage.abandon_batch()
         return WriteResult(records, error, sum(r.size for r in records))
 

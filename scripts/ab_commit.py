@@ -24,7 +24,7 @@ by default never against 64 MiB); ``smallwriters`` (threads of the small-file wr
 ``writepool.BACKGROUND_SCHED_IDLE``: 0, niceness +19 only, against 1); ``closer`` (a small file's writeback start and
 close on the closer thread, ``storage.local.CLOSE_BEHIND``: 0, on its writer, against 1); ``reservesmall`` (a new
 buffered file's blocks reserved before its write on ext4, ``storage.local.RESERVE_BUFFERED_MIN_BYTES``: never
-against the module's 64 KiB).
+against the module's 64 KiB; with ``direct`` off, large buffered files are reserved too since session 22).
 
 Besides the process's CPU (``cpu_s_per_gb``) each round records the whole host's (``host_cpu_s_per_gb``, from
 ``/proc/stat``): the kernel's writeback threads write the page cache's dirty pages on the process's behalf.

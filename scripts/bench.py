@@ -185,9 +185,13 @@ def remove_tree(path: str) -> None:
     shutil.rmtree(path, ignore_errors=True)
     noted = _noted_removals()
     noted[dev] = time.time()
-    with open(REMOVALS_FILE + ".tmp", "w") as f:
-        json.dump(noted, f)
-    os.replace(REMOVALS_FILE + ".tmp", REMOVALS_FILE)
+    try:        # a note, best effort: a unique temporary name, so that two scripts at once never mix their bytes
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(REMOVALS_FILE), prefix=".nxd_ckpt_bench_removals")
+        with os.fdopen(fd, "w") as f:
+            json.dump(noted, f)
+        os.replace(tmp, REMOVALS_FILE)
+    except OSError:
+        pass
 
 
 def _wait_out_noted_removal(folder: str) -> float:
@@ -261,8 +265,8 @@ def ab_parser(doc: str, *, dir: str | None, rounds: int, size_gb: float = 1.0, t
     p.add_argument("--out")
     p.add_argument("--settle-timeout", type=float, default=420.0,
                    help="seconds to probe at the start until earlier file removals stop slowing file creation "
-                        "(settle_removals; once a dear probe turns cheap, the wait lasts until 380 s after the start; "
-                        "0: probe once and go on)")
+                        "(settle_removals; before probing, until 380 s after the last removal the scripts noted; once a "
+                        "dear probe turns cheap, until 380 s after the start; 0: probe once and go on)")
     p.add_argument("--keep-tags", action="store_true",
                    help="save each round into a folder of its own under --dir, all removed only at the end (the "
                         f"default empties --dir before each save; {KEEP_TAGS_WHY})")
@@ -1514,8 +1518,8 @@ def main(argv=None) -> int:
                         f"({KEEP_TAGS_WHY}). Needs disk for every save of the run")
     p.add_argument("--settle-timeout", type=float, default=420.0,
                    help="seconds to probe at the start until earlier file removals stop slowing file creation "
-                        "(settle_removals; once a dear probe turns cheap, the wait lasts until 380 s after the start; "
-                        "0: probe once and go on)")
+                        "(settle_removals; before probing, until 380 s after the last removal the scripts noted; once a "
+                        "dear probe turns cheap, until 380 s after the start; 0: probe once and go on)")
     p.add_argument("--skip-train", action="store_true")
     p.add_argument("--skip-rss", action="store_true", help="skip the per-method RSS peak saves")
     p.add_argument("--methods", default="", help="comma-separated subset (development)")

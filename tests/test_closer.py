@@ -196,3 +196,23 @@ def test_a_failed_save_leaves_no_file_open_behind_it(tmp_path, monkeypatch):
         if target.startswith(str(tmp_path)):
             held.append(target)
     assert held == []
+
+
+def test_abandoning_a_batch_waits_for_a_stuck_closer_only_so_long_and_never_raises(tmp_path, monkeypatch):
+    """A failed save reports its own error after ABANDON_WAIT_S even when the closer is stuck on the disk; the
+    files are closed when the closer gets to them, and the sync anchor's folder at once."""
+    release = threading.Event()
+    closer = Closer(lambda fd: release.wait(30))
+    monkeypatch.setattr(local, "CLOSER", closer)
+    monkeypatch.setattr(local, "ABANDON_WAIT_S", 0.2)
+    monkeypatch.setattr(local, "_filesystem_type", lambda p: 0xEF53)
+    s = LocalStorage(str(tmp_path))
+    s.beside_training = True
+    s.write_file("stage/a", lambda f: f.write(b"x" * 100), durable=False, atomic=False)
+    s.abandon_batch()                                   # returns (the test would hang 30 s otherwise)
+    assert not release.is_set() and _open_under(tmp_path) == [str(tmp_path / "stage" / "a")]
+    assert not any(os.readlink(f"/proc/self/fd/{n}") == str(tmp_path / "stage")
+                   for n in os.listdir("/proc/self/fd") if os.path.exists(f"/proc/self/fd/{n}"))
+    release.set()
+    closer.drain()
+    assert _open_under(tmp_path) == []

@@ -12,7 +12,7 @@ import os
 import queue
 import threading
 import time
-from typing import Callable
+from typing import Callable, Optional
 
 #: Descriptors handed over and not yet taken by the thread, at most (counted in groups): a writer that gets this
 #: far ahead waits.
@@ -63,9 +63,10 @@ class Closer:
                 self._queue.put(self._held)
                 self._held = []
 
-    def drain(self) -> None:
+    def drain(self, timeout_s: Optional[float] = None) -> None:
         """Wait until every file handed over so far is closed; raise the first close error since the last
-        drain (once), or TimeoutError after ``wait_s``. Called before a batch's sync."""
+        drain (once), or TimeoutError after ``timeout_s`` (default ``wait_s``). Called before a batch's sync,
+        and when a failed save abandons its batch."""
         if self._pid != os.getpid():
             return                      # nothing handed in this process (a forked child's copy is its parent's)
         done = threading.Event()
@@ -74,7 +75,7 @@ class Closer:
                 self._queue.put(self._held)
                 self._held = []
             self._queue.put(done)
-        if not done.wait(self._wait_s):
+        if not done.wait(self._wait_s if timeout_s is None else timeout_s):
             raise TimeoutError(self._stuck("close the files handed to it"))
         if self._errors:
             error = self._errors[0]

@@ -58,6 +58,10 @@ OWN_WRITEBACK = True
 #: variant ``no_closer`` of scripts/ab_train.py).
 CLOSE_BEHIND = True
 
+#: How long a failed save waits for ``CLOSER`` to close its files (``LocalStorage.abandon_batch``) before it
+#: reports its own error anyway.
+ABANDON_WAIT_S = 10.0
+
 #: A buffered file created on ext4 with at least this many bytes gets its blocks reserved in one piece just
 #: before its write (``_reserve``): ext4's delayed allocation otherwise reserves, maps and records every 4 KiB
 #: block of the write one at a time, and allocates them again at writeback. Measured here (5,000 new files, each
@@ -782,14 +786,18 @@ class LocalStorage(Storage):
     def abandon_batch(self) -> None:
         """Close what ``CLOSER`` still holds (a partial group of up to 7 files would otherwise stay open, their
         space held, until the next save's sync) and the sync anchor's folder. Blocks until the closer is done,
-        at most ``closer.WAIT_S``; what a close met is dropped with the batch."""
+        at most ``ABANDON_WAIT_S`` (a closer stuck on a failing disk closes them when it gets to them); what a
+        close met is dropped with the batch."""
         try:
-            CLOSER.drain()
-        except (OSError, TimeoutError):
+            CLOSER.drain(ABANDON_WAIT_S)
+        except OSError:         # a close error or TimeoutError: the save's own error is the one reported
             pass
         _dev, fd, _error = self._anchor.take()
         if fd is not None:
-            os.close(fd)
+            try:
+                os.close(fd)
+            except OSError:
+                pass
 
     def start_sync(self) -> None:
         """One ``syncfs`` of the filesystem of the batch being written (``_SyncAnchor``), on a descriptor of its
