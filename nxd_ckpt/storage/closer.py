@@ -55,7 +55,7 @@ class Closer:
             deadline = time.monotonic() + self._wait_s
             while self._queue.qsize() >= self._depth:
                 if time.monotonic() > deadline:
-                    raise TimeoutError(self._stuck("take another file"))
+                    raise TimeoutError(self._stuck("take another file", self._wait_s))
                 time.sleep(0.001)
         with self._lock:
             self._held.append(fd)
@@ -75,8 +75,9 @@ class Closer:
                 self._queue.put(self._held)
                 self._held = []
             self._queue.put(done)
-        if not done.wait(self._wait_s if timeout_s is None else timeout_s):
-            raise TimeoutError(self._stuck("close the files handed to it"))
+        wait_s = self._wait_s if timeout_s is None else timeout_s
+        if not done.wait(wait_s):
+            raise TimeoutError(self._stuck("close the files handed to it", wait_s))
         if self._errors:
             error = self._errors[0]
             self._errors.clear()
@@ -105,7 +106,7 @@ class Closer:
                 except OSError as exc:
                     self._errors.append(exc)
 
-    def _stuck(self, what: str) -> str:
-        return (f"nxd_ckpt: the thread that closes written files did not {what} within {self._wait_s:.0f} s "
+    def _stuck(self, what: str, wait_s: float) -> str:
+        return (f"nxd_ckpt: the thread that closes written files did not {what} within {wait_s:.0f} s "
                 f"({self._queue.qsize()} waiting): the disk is not taking writes; check the device and its free "
                 "space, then save again")
